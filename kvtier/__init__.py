@@ -1,0 +1,1 @@
+"""kvtier: a tiered KV-cache store for LLM inference."""

@@ -1,0 +1,134 @@
+"""Block framing and integrity: the header every stored block carries, and checksummed copies.
+
+Header (64 bytes, little-endian)::
+
+    magic "KVTB" | version u16 | flags u16 | layout fingerprint 8B | key 32B |
+    payload_len u64 | checksum u64 (xxh3_64 of the payload)
+
+A header is *valid for a read* only if magic, version, fingerprint, key and length all match what
+the reader expects and the payload hashes to the checksum; anything else is a foreign, torn or
+corrupt block and must be treated as a miss (see ``verify``).
+
+The copy helpers fuse the copy with the checksum: each chunk (one ``[layer, k|v]`` plane or
+1 MiB of a flat buffer) is copied and then hashed while still in cache, so integrity costs a
+cache-speed pass instead of a second trip to DRAM.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+import xxhash
+
+from kvtier.errors import LayoutError
+
+MAGIC = b"KVTB"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<4sHH8s32sQQ")
+HEADER_BYTES = 64
+assert HEADER.size <= HEADER_BYTES
+FLAG_ENCRYPTED = 1
+_FLAT_CHUNK = 1 << 20
+
+Array = np.ndarray[Any, np.dtype[Any]]
+
+
+class Header(NamedTuple):
+    flags: int
+    fingerprint: bytes
+    key: bytes
+    payload_len: int
+    checksum: int
+
+
+def pack_header(
+    key: bytes, fingerprint: bytes, payload_len: int, checksum: int, flags: int = 0
+) -> bytes:
+    """The 64-byte header for a block (padded with zeros)."""
+    raw = HEADER.pack(MAGIC, FORMAT_VERSION, flags, fingerprint, key, payload_len, checksum)
+    return raw.ljust(HEADER_BYTES, b"\0")
+
+
+def unpack_header(buf: bytes | memoryview | Array) -> Header | None:
+    """Parse a header; ``None`` if it is not a kvtier header of this format version."""
+    raw = bytes(memoryview(buf)[:HEADER_BYTES]) if not isinstance(buf, bytes) else buf
+    if len(raw) < HEADER.size:
+        return None
+    magic, version, flags, fp, key, plen, csum = HEADER.unpack_from(raw)
+    if magic != MAGIC or version != FORMAT_VERSION:
+        return None
+    return Header(flags, fp, key, plen, csum)
+
+
+def header_matches(h: Header | None, key: bytes, fingerprint: bytes, payload_len: int) -> bool:
+    """True if ``h`` describes the block a reader asked for (not foreign, not a different key)."""
+    return (
+        h is not None
+        and h.key == key
+        and h.fingerprint == fingerprint
+        and h.payload_len == payload_len
+    )
+
+
+def checksum(buf: bytes | memoryview | Array) -> int:
+    """xxh3_64 of a contiguous buffer."""
+    return int(xxhash.xxh3_64_intdigest(buf))
+
+
+def _planes(a: Array) -> Iterator[Array]:
+    """Split ``a`` into contiguous-ish chunks in C order (1 MiB slices, or leading-axis planes)."""
+    if a.flags.c_contiguous:
+        flat = a.reshape(-1).view(np.uint8)
+        for off in range(0, flat.size, _FLAT_CHUNK):
+            yield flat[off : off + _FLAT_CHUNK]
+    elif a.ndim >= 3:
+        for i in range(a.shape[0]):
+            yield from _planes(a[i])
+    else:
+        yield a
+
+
+def _check_sizes(dst_nbytes: int, src_nbytes: int) -> None:
+    if dst_nbytes != src_nbytes:
+        raise LayoutError(f"buffer is {dst_nbytes} bytes, block is {src_nbytes} bytes")
+
+
+def copy_in(dst: Array, src: Array) -> int:
+    """Copy ``src`` (any shape, may be strided) into contiguous ``dst``; return its checksum.
+
+    ``dst`` must be a C-contiguous array of exactly ``src.nbytes`` bytes. The checksum is that of
+    the C-order bytes of ``src``, i.e. of ``dst`` after the copy.
+    """
+    _check_sizes(dst.nbytes, src.nbytes)
+    flat = dst.reshape(-1).view(np.uint8)
+    h = xxhash.xxh3_64()
+    off = 0
+    for chunk in _planes(src):
+        n = chunk.nbytes
+        part = flat[off : off + n]
+        np.copyto(part.view(chunk.dtype).reshape(chunk.shape), chunk, casting="no")
+        h.update(part)
+        off += n
+    return int(h.intdigest())
+
+
+def copy_out(dst: Array, src: Array) -> int:
+    """Copy contiguous ``src`` into ``dst`` (any shape, may be strided); return src's checksum.
+
+    The caller compares the result with the expected checksum and treats a mismatch as a miss
+    (the destination then holds garbage that must not be used).
+    """
+    _check_sizes(dst.nbytes, src.nbytes)
+    flat = src.reshape(-1).view(np.uint8)
+    h = xxhash.xxh3_64()
+    off = 0
+    for chunk in _planes(dst):
+        n = chunk.nbytes
+        part = flat[off : off + n]
+        np.copyto(chunk, part.view(chunk.dtype).reshape(chunk.shape), casting="no")
+        h.update(part)
+        off += n
+    return int(h.intdigest())

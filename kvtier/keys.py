@@ -1,0 +1,117 @@
+"""Block keys: 32-byte chained, namespaced digests -- built here and nowhere else.
+
+``key_0 = H(namespace_root, tokens[0:B])``, ``key_i = H(key_{i-1}, tokens[iB:(i+1)B])``, with
+``H`` = BLAKE2b-256 (keyed with the deployment's secret when one is configured). A block's key
+therefore stands for its tokens *and everything before them*, so equal keys mean equal prefixes.
+
+The namespace root is a digest of (tenant or share group, model id, weights version, layout
+fingerprint -- which covers dtype and block size). Two tenants get disjoint key spaces unless
+they are configured into the same share group. BLAKE2b is a cryptographic hash: finding a
+collision, or a token sequence that maps onto another tenant's key, is infeasible; with a secret
+the keys cannot even be computed outside the deployment.
+
+Only full blocks are keyed; a trailing partial block is never cached. Keys are produced lazily
+so a lookup does work proportional to the matched prefix plus one block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NewType
+
+import numpy as np
+
+from kvtier.errors import TokenError
+from kvtier.layout import KVLayout
+
+BlockKey = NewType("BlockKey", bytes)
+KEY_BYTES = 32
+_TOKEN_DTYPE = np.dtype("<u4")  # one canonical byte form, whatever the caller passed
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Who a block belongs to. ``root`` seeds every key chain of this namespace."""
+
+    tenant: str
+    model_id: str
+    layout: KVLayout
+    weights_version: str = ""
+    share_group: str | None = None  # tenants in one group share blocks; None = private
+    secret: bytes = field(default=b"", repr=False)
+    root: bytes = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.tenant:
+            raise TokenError("Namespace.tenant must be a non-empty string")
+        owner = f"group:{self.share_group}" if self.share_group else f"tenant:{self.tenant}"
+        desc = "\x1f".join(
+            ("kvtier-ns-v1", owner, self.model_id, self.weights_version)
+        ).encode() + self.layout.fingerprint
+        root = hashlib.blake2b(desc, digest_size=KEY_BYTES, key=self.secret[:64]).digest()
+        object.__setattr__(self, "root", root)
+
+    @property
+    def owner(self) -> str:
+        """The tenant (or share group) that quotas and encryption keys are charged to."""
+        return self.share_group or self.tenant
+
+
+def as_tokens(tokens: Any) -> np.ndarray[Any, np.dtype[np.uint32]]:
+    """Validate and convert token ids to a 1-D little-endian uint32 array.
+
+    Accepts a sequence of ints, a numpy integer array or a CPU torch tensor (1-D, or 2-D with
+    one row). Raises ``TokenError`` naming the problem for floats, bools, negatives, ids of 2**32
+    or more, or other shapes. Never mutates the input.
+    """
+    if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # torch tensor, without importing torch
+        tokens = tokens.detach().cpu().numpy()
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+    else:
+        try:
+            arr = np.asarray(tokens)
+        except (TypeError, ValueError) as exc:
+            raise TokenError(f"tokens must be a sequence of integers: {exc}") from None
+    if arr.ndim == 2 and arr.shape[0] == 1:
+        arr = arr[0]
+    if arr.ndim != 1:
+        raise TokenError(f"tokens must be 1-D (one sequence), got shape {arr.shape}")
+    if arr.size == 0:
+        return np.empty(0, dtype=_TOKEN_DTYPE)
+    if arr.dtype.kind not in "iu":
+        raise TokenError(f"tokens must be integers, got dtype {arr.dtype} (e.g. {arr[:3]!r})")
+    if arr.dtype.kind == "i" and int(arr.min()) < 0:
+        raise TokenError(f"token ids must be non-negative, found {int(arr.min())}")
+    if arr.dtype.itemsize > 4 and int(arr.max()) >= 2**32:
+        raise TokenError(f"token ids must be < 2**32, found {int(arr.max())}")
+    return np.ascontiguousarray(arr, dtype=_TOKEN_DTYPE)
+
+
+def iter_keys(ns: Namespace, tokens: np.ndarray[Any, np.dtype[np.uint32]]) -> Iterator[BlockKey]:
+    """Yield the keys of the full blocks of ``tokens`` (already validated by ``as_tokens``).
+
+    Lazy: a caller that stops at the first miss pays for the matched blocks plus one.
+    """
+    bt = ns.layout.block_tokens
+    parent = ns.root
+    secret = ns.secret[:64]
+    raw = tokens.tobytes()
+    step = bt * _TOKEN_DTYPE.itemsize
+    for off in range(0, (len(tokens) // bt) * step, step):
+        h = hashlib.blake2b(parent, digest_size=KEY_BYTES, key=secret)
+        h.update(raw[off : off + step])
+        parent = h.digest()
+        yield BlockKey(parent)
+
+
+def block_keys(ns: Namespace, tokens: Any) -> list[BlockKey]:
+    """All full-block keys of ``tokens`` (validating them)."""
+    return list(iter_keys(ns, as_tokens(tokens)))
+
+
+def key_hex(key: bytes | Sequence[int]) -> str:
+    """Short printable form of a key, for logs."""
+    return bytes(key)[:8].hex()

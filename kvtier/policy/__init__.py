@@ -1,0 +1,32 @@
+"""Eviction policies, picked by name from a registry.
+
+``make_policy("lru", capacity)``. Each policy is a small class implementing
+``kvtier.policy.base.EvictionPolicy``; register new ones in ``POLICIES``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from kvtier.errors import ConfigError
+from kvtier.policy.base import EvictionPolicy
+from kvtier.policy.lru import LRU
+
+POLICIES: dict[str, type[EvictionPolicy[Hashable]]] = {
+    LRU.name: LRU,
+}
+DEFAULT_POLICY = "lru"
+
+
+def make_policy(name: str, capacity: int) -> EvictionPolicy[Hashable]:
+    """A new policy instance for a tier of ``capacity`` blocks; ``ConfigError`` if unknown."""
+    try:
+        cls = POLICIES[name.lower()]
+    except KeyError:
+        raise ConfigError(
+            f"unknown eviction policy {name!r}; choose one of {', '.join(sorted(POLICIES))}"
+        ) from None
+    return cls(capacity)
+
+
+__all__ = ["DEFAULT_POLICY", "POLICIES", "EvictionPolicy", "make_policy"]

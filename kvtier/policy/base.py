@@ -1,0 +1,63 @@
+"""The eviction-policy contract shared by the store and the simulator.
+
+A policy tracks the keys resident in *one* tier and, when asked, names victims. It moves no
+bytes and knows no tiers: the ``TieredStore`` (or the simulator) calls it single-threaded, under
+the decider's lock, and acts on its answer.
+
+Prefix awareness is part of the contract: keys arrive in *prefix order* (a request's blocks,
+parent first), and a policy must not prefer dropping a parent while keeping its child -- a child
+is useless without its parent. Policies get this by how they order a request's blocks (e.g.
+LRU refreshes a chain leaf-first so the root ends most recent).
+
+Keys are any hashable (32-byte ``BlockKey``s in the store, ints in the simulator).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable, Sequence
+from typing import ClassVar, Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+
+
+class EvictionPolicy(ABC, Generic[K]):
+    """Tracks resident keys of one tier and picks victims. Not thread-safe (one decider)."""
+
+    #: registry name
+    name: ClassVar[str] = ""
+
+    def __init__(self, capacity: int) -> None:
+        """``capacity`` is the tier's size in blocks (policies may size ghost lists by it)."""
+        self.capacity = capacity
+
+    @abstractmethod
+    def insert(self, keys: Sequence[K]) -> None:
+        """Record newly resident keys, given in prefix order (parent first)."""
+
+    @abstractmethod
+    def access(self, keys: Sequence[K]) -> None:
+        """Record hits on resident keys, given in prefix order (parent first)."""
+
+    @abstractmethod
+    def remove(self, key: K) -> None:
+        """Forget ``key`` (deleted or moved out by someone else); absent keys are ignored."""
+
+    @abstractmethod
+    def evict(self, n: int, evictable: Callable[[K], bool]) -> list[K] | None:
+        """Choose and forget ``n`` victims for which ``evictable(key)`` is true.
+
+        All-or-nothing: if fewer than ``n`` evictable keys exist, return ``None`` and change
+        nothing. Bounded work: implementations should not scan more than needed.
+        """
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool: ...
+
+
+def always(_: object) -> bool:
+    """An ``evictable`` predicate that accepts every key (the simulator's case)."""
+    return True

@@ -1,0 +1,132 @@
+"""Host DRAM tier (G2): one preallocated arena of fixed-size slots.
+
+The arena is allocated (and its pages touched) once at construction, so the hot path does no
+allocation: a put is one fused copy+checksum into a free slot, a get one fused copy+verify out of
+it. When torch with CUDA is importable and ``pin_memory`` allows it, the arena is page-locked
+(pinned) so device transfers can be asynchronous DMA.
+
+Checksums are kept beside the arena (one uint64 per slot); a get whose bytes no longer hash to
+the recorded checksum (a bit flip in DRAM, a stray write) is a miss and the slot is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Literal
+
+import numpy as np
+
+from kvtier import codec
+from kvtier.errors import ConfigError
+from kvtier.keys import BlockKey
+from kvtier.layout import KVLayout
+from kvtier.tiers.base import Array, Tier, TierUsage
+from kvtier.tiers.slots import SlotTable
+
+log = logging.getLogger(__name__)
+
+PinMode = Literal["auto", "always", "never"]
+
+
+def _allocate(nbytes: int, pin_memory: PinMode) -> Array:
+    """A page-touched uint8 arena, pinned when asked (or when 'auto' and CUDA is in use)."""
+    want_pin = pin_memory == "always" or (pin_memory == "auto" and "torch" in sys.modules)
+    if want_pin:
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                arena: Array = t.numpy()
+                arena.fill(0)
+                return arena
+            if pin_memory == "always":
+                raise ConfigError("host tier pin_memory='always' needs torch with CUDA")
+        except ImportError:
+            if pin_memory == "always":
+                raise ConfigError("host tier pin_memory='always' needs torch installed") from None
+    arena = np.empty(nbytes, dtype=np.uint8)
+    arena.fill(0)  # touch every page now, not on the first store
+    return arena
+
+
+class HostTier(Tier):
+    """A DRAM arena of ``capacity_bytes // block_bytes`` slots."""
+
+    name = "host"
+
+    def __init__(
+        self, layout: KVLayout, capacity_bytes: int, pin_memory: PinMode = "auto"
+    ) -> None:
+        super().__init__(layout)
+        n = capacity_bytes // layout.block_bytes
+        if n < 1:
+            raise ConfigError(
+                f"host tier capacity {capacity_bytes} bytes holds no block of "
+                f"{layout.block_bytes} bytes; raise capacity to at least one block"
+            )
+        self._table = SlotTable(n)
+        self._arena = _allocate(n * layout.block_bytes, pin_memory)
+        self._checksums = np.zeros(n, dtype=np.uint64)
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self._table.capacity
+
+    def usage(self) -> TierUsage:
+        return TierUsage(len(self._table), self._table.capacity, self.block_bytes)
+
+    def contains_prefix(self, keys: Sequence[BlockKey], tenant: str = "") -> int:
+        return self._table.prefix_len(list(keys))
+
+    def keys(self) -> Iterator[BlockKey]:
+        return self._table.keys()
+
+    def slot_view(self, slot: int) -> Array:
+        b = self.block_bytes
+        return self._arena[slot * b : (slot + 1) * b]
+
+    def get_into(
+        self, keys: Sequence[BlockKey], outs: Sequence[Array], tenant: str = ""
+    ) -> list[bool]:
+        self.check_buffers(outs, keys)
+        result = []
+        for key, out in zip(keys, outs, strict=True):
+            slot = self._table.acquire(key)
+            if slot is None:
+                result.append(False)
+                continue
+            try:
+                ok = codec.copy_out(out, self.slot_view(slot)) == int(self._checksums[slot])
+            finally:
+                self._table.release(slot)
+            if not ok:
+                log.warning("host tier: checksum mismatch, dropping block %s", key[:8].hex())
+                self._table.remove(key)
+            result.append(ok)
+        return result
+
+    def put(
+        self, keys: Sequence[BlockKey], blocks: Sequence[Array], tenant: str = ""
+    ) -> list[bool]:
+        self.check_buffers(blocks, keys)
+        result = []
+        for key, block in zip(keys, blocks, strict=True):
+            slot = self._table.reserve(key)
+            if slot is None or slot == -1:
+                result.append(slot == -1)
+                continue
+            try:
+                self._checksums[slot] = codec.copy_in(self.slot_view(slot), block)
+            except BaseException:
+                self._table.abort(key, slot)
+                raise
+            self._table.publish(key, slot)
+            result.append(True)
+        return result
+
+    def delete(self, keys: Sequence[BlockKey], tenant: str = "") -> None:
+        for key in keys:
+            self._table.remove(key)
