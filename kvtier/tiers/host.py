@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Iterator, Sequence
-from typing import Literal
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Literal
 
 import numpy as np
 
 from kvtier import codec
+from kvtier.config import check_keys, parse_size
 from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
@@ -70,6 +71,16 @@ class HostTier(Tier):
         self._table = SlotTable(n)
         self._arena = _allocate(n * layout.block_bytes, pin_memory)
         self._checksums = np.zeros(n, dtype=np.uint64)
+
+    @classmethod
+    def from_config(cls, layout: KVLayout, spec: Mapping[str, Any]) -> HostTier:
+        """``{"capacity": "8GiB", "pin_memory": "auto"|"always"|"never"}``."""
+        check_keys("tiers.host", spec, {"capacity", "pin_memory"})
+        pin = str(spec.get("pin_memory", "auto"))
+        if pin not in ("auto", "always", "never"):
+            raise ConfigError(f"tiers.host pin_memory must be auto/always/never, got {pin!r}")
+        cap = parse_size(spec.get("capacity", "1GiB"), "tiers.host capacity")
+        return cls(layout, cap, pin)  # type: ignore[arg-type]
 
     @property
     def capacity_blocks(self) -> int:
