@@ -1,0 +1,12 @@
+"""Benchmarks, one module per target, each comparing kvtier with the physical limit measured in
+the same run (memcpy, raw O_DIRECT I/O, the bare server client).
+
+``BENCHES`` maps ``kvtier bench <target>`` to a module with ``add_arguments(parser)`` and
+``run(args) -> dict`` (the JSON object printed with ``--json``).
+"""
+
+from __future__ import annotations
+
+BENCHES: dict[str, str] = {
+    "host": "kvtier.bench.host",
+}

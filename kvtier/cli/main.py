@@ -1,0 +1,50 @@
+"""The ``kvtier`` command line: ``plan | simulate | bench | demo | check``.
+
+Each subcommand lives in its own module with ``add_arguments(parser)`` and ``run(args) -> int``;
+``COMMANDS`` maps the name to the module and help line, imported only when used so
+``kvtier plan`` never pays for torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from kvtier.errors import KVTierError
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "plan": ("kvtier.cli.plan", "capacity planner: KV bytes per token, what fits in HBM, what spills"),
+    "demo": ("kvtier.cli.demo", "run a realistic workload through the store on the embedded default"),
+    "bench": ("kvtier.cli.bench", "benchmarks against the physical limit, measured in the same run"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtier", description="Tiered KV-cache store for LLM inference")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_line) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_line, description=help_line)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    module = importlib.import_module(COMMANDS[args.command][0])
+    try:
+        rc: int = module.run(args)
+    except KVTierError as exc:
+        print(f"kvtier {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
