@@ -1,0 +1,111 @@
+"""Circuit breaker for tiers that talk to a server: a dead or slow server costs one bounded timeout.
+
+States::
+
+    closed --(an I/O call fails)--> open --(cooldown_s elapsed)--> half-open
+      ^                                                               |
+      +------------------(the one trial call succeeds)---------------+
+                          (the trial fails: open again, cooldown restarts)
+
+While *open* every call is skipped at once and answered with the caller's fallback (a miss,
+``False``); the tier reports ``healthy`` False. After the cool-down exactly one caller is let
+through as a trial; the others keep getting the fallback until it has finished. The timeout
+itself is the client's (socket / read timeouts configured by the tier), so the worst cost of an
+outage to one caller is one timeout, and to everyone else nothing.
+
+``call`` never lets an exception of ``errors`` escape: the inference path sees misses, never an
+exception. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class CircuitBreaker:
+    """Skip a failing server for ``cooldown_s`` seconds after each failure, then retry once."""
+
+    def __init__(
+        self, name: str, cooldown_s: float = 5.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if cooldown_s < 0:
+            raise ValueError(f"{name}: cooldown_s must be >= 0, got {cooldown_s}")
+        self.name = name
+        self.cooldown_s = cooldown_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._open_until: float | None = None  # None = closed
+        self._trial_running = False
+        #: how many times the breaker opened (closed -> open, or a failed trial)
+        self.trips = 0
+        #: calls answered with the fallback without touching the server
+        self.skipped = 0
+
+    @property
+    def healthy(self) -> bool:
+        """True while closed (the last call to the server succeeded)."""
+        return self._open_until is None
+
+    def allow(self) -> bool:
+        """May the caller touch the server now? (``True`` when closed or for the one trial.)"""
+        with self._lock:
+            if self._open_until is None:
+                return True
+            if not self._trial_running and self._clock() >= self._open_until:
+                self._trial_running = True
+                return True
+            self.skipped += 1
+            return False
+
+    def succeeded(self) -> None:
+        """Record a successful call; closes the breaker."""
+        with self._lock:
+            if self._open_until is not None:
+                log.info("%s: server reachable again, tier back in service", self.name)
+            self._open_until = None
+            self._trial_running = False
+
+    def failed(self, exc: BaseException) -> None:
+        """Record a failed call; opens the breaker for ``cooldown_s``."""
+        with self._lock:
+            was_closed = self._open_until is None
+            self._open_until = self._clock() + self.cooldown_s
+            self._trial_running = False
+            self.trips += 1
+        if was_closed:
+            log.warning(
+                "%s: server call failed (%s: %s); skipping the tier for %.1fs",
+                self.name,
+                type(exc).__name__,
+                exc,
+                self.cooldown_s,
+            )
+
+    def call(
+        self,
+        fn: Callable[[], T],
+        fallback: T,
+        errors: tuple[type[BaseException], ...] = (Exception,),
+    ) -> T:
+        """``fn()`` if the breaker allows it and it succeeds, else ``fallback``."""
+        if not self.allow():
+            return fallback
+        try:
+            result = fn()
+        except errors as exc:
+            self.failed(exc)
+            return fallback
+        except BaseException:
+            with self._lock:  # a caller mistake or interrupt: do not wedge the half-open trial
+                self._trial_running = False
+            raise
+        self.succeeded()
+        return result

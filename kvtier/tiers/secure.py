@@ -1,0 +1,300 @@
+"""Tenant security for shared and archive tiers: namespacing, per-tenant encryption, quotas.
+
+Every remote tier (Redis/Valkey, Mooncake Store, S3) stores a block as ONE value made by
+``BlockSealer.seal`` and read back with ``BlockSealer.open_into``:
+
+- plain:      ``header(64) | payload``                      (header checksum = xxh3 of payload)
+- encrypted:  ``header(64) | nonce(12) | ciphertext | tag(16)``   (header flag ``FLAG_ENCRYPTED``)
+
+The header comes first so a reader sees a whole block or nothing (the value is written in one
+atomic operation by the tier) and can reject a foreign or wrong-key block before touching the
+payload. When encryption is configured the payload is AES-256-GCM encrypted with the tenant's
+key, and the associated data is ``header || tenant``: the header binds the block key, layout
+fingerprint and length, so a ciphertext copied to another key or another tenant's namespace, or
+any flipped bit, fails authentication -- and a failed authentication is a miss, never an error.
+The header checksum of an encrypted block is zero (a plaintext hash would leak equality of
+contents); GCM's tag is the integrity check. With encryption configured a *plaintext* block is a
+miss too (anyone with write access to the server could otherwise plant one).
+
+Per-tenant keys are given explicitly (``tenant_keys``) or derived from one master key with
+HKDF-SHA256 (``info`` = tenant name), so a leaked tenant key exposes only that tenant.
+
+``TenantQuotas`` caps the bytes each tenant may hold in the tier *as written through this
+client* (a process-local account: each node enforces its own budget; blocks the server evicts
+or expires on its own are not refunded until deleted through this client). A refusal is loud: it
+is counted per tenant, logged, and the ``put`` reports ``False`` for that block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from kvtier import codec
+from kvtier.config import parse_size
+from kvtier.errors import ConfigError
+from kvtier.keys import BlockKey
+from kvtier.layout import KVLayout
+from kvtier.tiers.base import Array
+
+log = logging.getLogger(__name__)
+
+NONCE_BYTES = 12
+TAG_BYTES = 16
+#: config keys understood by ``security_from_config`` (tiers add them to their allowed set)
+SECURITY_KEYS = frozenset({"encryption_key", "tenant_keys", "quota", "tenant_quotas"})
+_SAFE_TENANT = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+def tenant_token(tenant: str) -> str:
+    """A server-key-safe form of a tenant name (no ``{}:/`` or spaces); injective in practice.
+
+    Safe names are kept as they are (readable keys); anything else becomes ``~`` + 32 hex digits
+    of its BLAKE2b digest, which cannot collide with a safe name (``~`` is never safe).
+    """
+    if not tenant:
+        return "_"
+    if _SAFE_TENANT.match(tenant):
+        return tenant
+    return "~" + hashlib.blake2b(tenant.encode(), digest_size=16).hexdigest()
+
+
+def parse_key(value: Any, what: str) -> bytes:
+    """A key from config: raw bytes, or a hex string. Raises ``ConfigError`` saying what to give."""
+    if isinstance(value, bytes | bytearray):
+        raw = bytes(value)
+    elif isinstance(value, str):
+        try:
+            raw = bytes.fromhex(value.strip())
+        except ValueError:
+            raise ConfigError(
+                f"{what}: give the key as hex digits (e.g. 64 for 32 bytes)"
+            ) from None
+    else:
+        raise ConfigError(f"{what}: expected hex string or bytes, got {type(value).__name__}")
+    if len(raw) < 16:
+        raise ConfigError(f"{what}: key is {len(raw)} bytes; use at least 16 (32 recommended)")
+    return raw
+
+
+class BlockSealer:
+    """Frames blocks as single values, encrypting per tenant when keys are configured.
+
+    Thread-safe (AESGCM objects are stateless; the per-tenant cache is guarded).
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        master_key: bytes = b"",
+        tenant_keys: Mapping[str, bytes] | None = None,
+    ) -> None:
+        self.layout = layout
+        self.block_bytes = layout.block_bytes
+        self._fp = layout.fingerprint
+        self._master = bytes(master_key)
+        self._tenant_keys = dict(tenant_keys or {})
+        for t, k in self._tenant_keys.items():
+            if len(k) not in (16, 24, 32):
+                raise ConfigError(f"tenant_keys[{t!r}]: AES key must be 16, 24 or 32 bytes")
+        self._aeads: dict[str, AESGCM | None] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def encrypted(self) -> bool:
+        """True when blocks are encrypted (a master key or any tenant key is configured)."""
+        return bool(self._master or self._tenant_keys)
+
+    @property
+    def value_bytes(self) -> int:
+        """Size of one sealed value."""
+        extra = NONCE_BYTES + TAG_BYTES if self.encrypted else 0
+        return codec.HEADER_BYTES + extra + self.block_bytes
+
+    def _aead(self, tenant: str) -> AESGCM | None:
+        with self._lock:
+            if tenant in self._aeads:
+                return self._aeads[tenant]
+            key = self._tenant_keys.get(tenant)
+            if key is None and self._master:
+                key = HKDF(
+                    algorithm=hashes.SHA256(),
+                    length=32,
+                    salt=b"kvtier-tenant-key-v1",
+                    info=tenant.encode(),
+                ).derive(self._master)
+            aead = AESGCM(key) if key is not None else None
+            self._aeads[tenant] = aead
+            return aead
+
+    def seal(self, key: BlockKey, block: Array, tenant: str) -> memoryview | None:
+        """One value holding ``block`` (any shape/strides, ``block_bytes`` bytes) for ``key``.
+
+        ``None`` when encryption is configured but this tenant has no key (logged; the tier
+        reports the put as ``False``).
+        """
+        n = self.block_bytes
+        h = codec.HEADER_BYTES
+        if not self.encrypted:
+            buf = bytearray(h + n)
+            csum = codec.copy_in(np.frombuffer(buf, np.uint8, n, h), block)
+            buf[:h] = codec.pack_header(key, self._fp, n, csum)
+            return memoryview(buf)
+        aead = self._aead(tenant)
+        if aead is None:
+            log.warning("no encryption key for tenant %r: block not stored", tenant)
+            return None
+        plain = np.ascontiguousarray(block).reshape(-1).view(np.uint8)
+        header = codec.pack_header(key, self._fp, n, 0, codec.FLAG_ENCRYPTED)
+        buf = bytearray(h + NONCE_BYTES + n + TAG_BYTES)
+        nonce = os.urandom(NONCE_BYTES)
+        buf[:h] = header
+        buf[h : h + NONCE_BYTES] = nonce
+        aead.encrypt_into(
+            nonce, plain.data, header + tenant.encode(), memoryview(buf)[h + NONCE_BYTES :]
+        )
+        return memoryview(buf)
+
+    def open_into(
+        self, key: BlockKey, value: bytes | bytearray | memoryview, out: Array, tenant: str
+    ) -> bool:
+        """Verify ``value`` as block ``key`` of ``tenant`` and copy its payload into ``out``.
+
+        ``False`` (a miss; ``out`` then holds unspecified bytes) for a foreign, torn, tampered,
+        wrong-tenant or wrong-key value. Never raises for bad data.
+        """
+        mv = memoryview(value)
+        h = codec.HEADER_BYTES
+        n = self.block_bytes
+        hdr = codec.unpack_header(mv[:h]) if len(mv) >= h else None
+        if not codec.header_matches(hdr, key, self._fp, n):
+            return False
+        assert hdr is not None
+        if not hdr.flags & codec.FLAG_ENCRYPTED:
+            if self.encrypted or len(mv) != h + n:
+                return False
+            return codec.copy_out(out, np.frombuffer(mv, np.uint8, n, h)) == hdr.checksum
+        aead = self._aead(tenant) if self.encrypted else None
+        if aead is None or len(mv) != h + NONCE_BYTES + n + TAG_BYTES:
+            return False
+        nonce = mv[h : h + NONCE_BYTES]
+        aad = bytes(mv[:h]) + tenant.encode()
+        direct = out.flags.c_contiguous and out.flags.writeable
+        dst = out.reshape(-1).view(np.uint8) if direct else np.empty(n, np.uint8)
+        try:
+            aead.decrypt_into(nonce, mv[h + NONCE_BYTES :], aad, dst.data)
+        except InvalidTag:
+            log.warning("block %s of tenant %r failed authentication: miss", key[:8].hex(), tenant)
+            return False
+        if not direct:
+            codec.copy_out(out, dst)
+        return True
+
+
+class TenantQuotas:
+    """Per-tenant byte budgets, accounted by this client. Thread-safe.
+
+    ``default_bytes`` applies to every tenant without an entry in ``per_tenant``; 0 = no limit.
+    """
+
+    def __init__(
+        self, default_bytes: int = 0, per_tenant: Mapping[str, int] | None = None, name: str = ""
+    ) -> None:
+        self.default_bytes = default_bytes
+        self.per_tenant = dict(per_tenant or {})
+        self.name = name
+        self._used: dict[str, int] = {}
+        self._refused: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def active(self) -> bool:
+        return bool(self.default_bytes or any(self.per_tenant.values()))
+
+    def limit(self, tenant: str) -> int:
+        return self.per_tenant.get(tenant, self.default_bytes)
+
+    def reserve(self, tenant: str, nbytes: int) -> bool:
+        """Charge ``nbytes`` to ``tenant``; ``False`` (counted and logged) if over its quota."""
+        with self._lock:
+            used = self._used.get(tenant, 0)
+            limit = self.limit(tenant)
+            if limit and used + nbytes > limit:
+                self._refused[tenant] = self._refused.get(tenant, 0) + 1
+                count = self._refused[tenant]
+            else:
+                self._used[tenant] = used + nbytes
+                return True
+        log.warning(
+            "%s: quota refusal #%d for tenant %r: %d + %d bytes exceeds its %d-byte quota",
+            self.name,
+            count,
+            tenant,
+            used,
+            nbytes,
+            limit,
+        )
+        return False
+
+    def release(self, tenant: str, nbytes: int) -> None:
+        """Refund ``nbytes`` (a block deleted, or a reserved put that did not store)."""
+        with self._lock:
+            self._used[tenant] = max(0, self._used.get(tenant, 0) - nbytes)
+
+    def used(self, tenant: str) -> int:
+        with self._lock:
+            return self._used.get(tenant, 0)
+
+    def refusals(self) -> dict[str, int]:
+        """Refused puts per tenant since construction (a copy)."""
+        with self._lock:
+            return dict(self._refused)
+
+
+def security_from_config(
+    layout: KVLayout, spec: Mapping[str, Any], section: str
+) -> tuple[BlockSealer, TenantQuotas]:
+    """Build the sealer and quotas from the ``SECURITY_KEYS`` of a tier's config table.
+
+    ``encryption_key`` (hex master key), ``tenant_keys`` ({tenant: hex AES key}), ``quota``
+    (size per tenant, e.g. "10GiB"; 0 = none), ``tenant_quotas`` ({tenant: size}).
+    """
+    master = spec.get("encryption_key")
+    tkeys = spec.get("tenant_keys") or {}
+    if not isinstance(tkeys, Mapping):
+        raise ConfigError(f"[{section}] tenant_keys must be a table {{tenant = 'hex key'}}")
+    sealer = BlockSealer(
+        layout,
+        parse_key(master, f"[{section}] encryption_key") if master else b"",
+        {str(t): parse_key(k, f"[{section}] tenant_keys.{t}") for t, k in tkeys.items()},
+    )
+    tq = spec.get("tenant_quotas") or {}
+    if not isinstance(tq, Mapping):
+        raise ConfigError(f"[{section}] tenant_quotas must be a table {{tenant = '1GiB'}}")
+    quotas = TenantQuotas(
+        parse_size(spec.get("quota", 0), f"[{section}] quota"),
+        {str(t): parse_size(v, f"[{section}] tenant_quotas.{t}") for t, v in tq.items()},
+        name=section,
+    )
+    return sealer, quotas
+
+
+__all__ = [
+    "SECURITY_KEYS",
+    "BlockSealer",
+    "TenantQuotas",
+    "parse_key",
+    "security_from_config",
+    "tenant_token",
+]
