@@ -39,10 +39,20 @@ from kvtier.errors import ConfigError
 from kvtier.layout import DEFAULT_BLOCK_TOKENS, KVLayout, canonical_dtype, preset
 
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-    "t": 10**12, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
@@ -70,14 +80,28 @@ def check_keys(section: str, given: Mapping[str, Any], allowed: set[str]) -> Non
     unknown = sorted(set(given) - allowed)
     if unknown:
         raise ConfigError(
-            f"[{section}] unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}"
+            f"[{section}] unknown key(s) {', '.join(unknown)}; "
+            f"allowed: {', '.join(sorted(allowed))}"
         )
 
 
 _STORE_KEYS = {
-    "model", "layers", "kv_heads", "head_dim", "kv_factor", "dtype", "block_tokens",
-    "tenant", "model_id", "weights_version", "share_group", "secret", "policy", "workers",
-    "metrics_port", "demote_queue",
+    "model",
+    "layers",
+    "kv_heads",
+    "head_dim",
+    "kv_factor",
+    "dtype",
+    "block_tokens",
+    "tenant",
+    "model_id",
+    "weights_version",
+    "share_group",
+    "secret",
+    "policy",
+    "workers",
+    "metrics_port",
+    "demote_queue",
 }
 
 
@@ -151,12 +175,16 @@ def _layout_from(store: Mapping[str, Any]) -> KVLayout:
     missing = [k for k in ("layers", "kv_heads", "head_dim") if k not in store]
     if missing:
         raise ConfigError(
-            f"[store] give a model preset (model = \"Llama-3.1-8B\") or all of layers, kv_heads, "
+            f'[store] give a model preset (model = "Llama-3.1-8B") or all of layers, kv_heads, '
             f"head_dim; missing {', '.join(missing)}"
         )
     return KVLayout(
-        int(store["layers"]), int(store["kv_heads"]), int(store["head_dim"]), dtype,
-        int(store.get("kv_factor", 2)), block_tokens,
+        int(store["layers"]),
+        int(store["kv_heads"]),
+        int(store["head_dim"]),
+        dtype,
+        int(store.get("kv_factor", 2)),
+        block_tokens,
     )
 
 

@@ -12,7 +12,7 @@ class KVTierError(Exception):
 
 
 class ConfigError(KVTierError, ValueError):
-    """A configuration value is unknown, malformed or impossible; the message says what to change."""
+    """A configuration value is unknown, malformed or impossible; the message says what to fix."""
 
 
 class LayoutError(KVTierError, ValueError):

@@ -47,9 +47,10 @@ class Namespace:
         if not self.tenant:
             raise TokenError("Namespace.tenant must be a non-empty string")
         owner = f"group:{self.share_group}" if self.share_group else f"tenant:{self.tenant}"
-        desc = "\x1f".join(
-            ("kvtier-ns-v1", owner, self.model_id, self.weights_version)
-        ).encode() + self.layout.fingerprint
+        desc = (
+            "\x1f".join(("kvtier-ns-v1", owner, self.model_id, self.weights_version)).encode()
+            + self.layout.fingerprint
+        )
         root = hashlib.blake2b(desc, digest_size=KEY_BYTES, key=self.secret[:64]).digest()
         object.__setattr__(self, "root", root)
 
@@ -66,7 +67,9 @@ def as_tokens(tokens: Any) -> np.ndarray[Any, np.dtype[np.uint32]]:
     one row). Raises ``TokenError`` naming the problem for floats, bools, negatives, ids of 2**32
     or more, or other shapes. Never mutates the input.
     """
-    if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # torch tensor, without importing torch
+    if hasattr(tokens, "detach") and hasattr(
+        tokens, "cpu"
+    ):  # torch tensor, without importing torch
         tokens = tokens.detach().cpu().numpy()
     if isinstance(tokens, np.ndarray):
         arr = tokens

@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from functools import cached_property
 from importlib import resources
 from typing import Any
 
@@ -99,9 +98,7 @@ class KVLayout:
 
     @property
     def bytes_per_token(self) -> int:
-        return (
-            self.kv_factor * self.layers * self.kv_heads * self.head_dim * self.bytes_per_element
-        )
+        return self.kv_factor * self.layers * self.kv_heads * self.head_dim * self.bytes_per_element
 
     @property
     def block_bytes(self) -> int:
@@ -120,7 +117,7 @@ class KVLayout:
         """Shape of a ``kv`` array of ``n_tokens`` tokens as passed to ``TieredStore.store``."""
         return (self.layers, self.kv_factor, n_tokens, self.kv_heads, self.head_dim)
 
-    @cached_property
+    @property
     def fingerprint(self) -> bytes:
         """8 bytes identifying the block format; a block whose header differs is foreign."""
         desc = (
@@ -157,8 +154,9 @@ class ModelPreset:
     source: str
 
     def layout(self, dtype: str = "float16", block_tokens: int = DEFAULT_BLOCK_TOKENS) -> KVLayout:
-        return KVLayout(self.layers, self.kv_heads, self.head_dim, dtype, self.kv_factor,
-                        block_tokens)
+        return KVLayout(
+            self.layers, self.kv_heads, self.head_dim, dtype, self.kv_factor, block_tokens
+        )
 
 
 # Parameter counts (for weight memory in the planner) -- from each model's card.

@@ -98,8 +98,10 @@ class TierConformance:
     def test_put_from_strided_source(self, tier: Tier) -> None:
         lay = self.layout
         bt = lay.block_tokens
-        kv = rand_block(KVLayout(lay.layers, lay.kv_heads, lay.head_dim, lay.dtype,
-                                 lay.kv_factor, 3 * bt), seed=3)
+        kv = rand_block(
+            KVLayout(lay.layers, lay.kv_heads, lay.head_dim, lay.dtype, lay.kv_factor, 3 * bt),
+            seed=3,
+        )
         key = rand_key()
         assert tier.put([key], [kv[:, :, bt : 2 * bt]]) == [True]
         out = empty_block()

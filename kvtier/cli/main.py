@@ -16,14 +16,25 @@ from collections.abc import Sequence
 from kvtier.errors import KVTierError
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "plan": ("kvtier.cli.plan", "capacity planner: KV bytes per token, what fits in HBM, what spills"),
-    "demo": ("kvtier.cli.demo", "run a realistic workload through the store on the embedded default"),
-    "bench": ("kvtier.cli.bench", "benchmarks against the physical limit, measured in the same run"),
+    "plan": (
+        "kvtier.cli.plan",
+        "capacity planner: KV bytes per token, what fits in HBM, what spills",
+    ),
+    "demo": (
+        "kvtier.cli.demo",
+        "run a realistic workload through the store on the embedded default",
+    ),
+    "bench": (
+        "kvtier.cli.bench",
+        "benchmarks against the physical limit, measured in the same run",
+    ),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvtier", description="Tiered KV-cache store for LLM inference")
+    parser = argparse.ArgumentParser(
+        prog="kvtier", description="Tiered KV-cache store for LLM inference"
+    )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_line) in COMMANDS.items():

@@ -58,9 +58,7 @@ class HostTier(Tier):
 
     name = "host"
 
-    def __init__(
-        self, layout: KVLayout, capacity_bytes: int, pin_memory: PinMode = "auto"
-    ) -> None:
+    def __init__(self, layout: KVLayout, capacity_bytes: int, pin_memory: PinMode = "auto") -> None:
         super().__init__(layout)
         n = capacity_bytes // layout.block_bytes
         if n < 1:

@@ -1,0 +1,156 @@
+"""The block index: what lives where, what is in flight, what is pinned -- the decider's state.
+
+Plain single-threaded code: the ``TieredStore`` calls it under its lock and never while bytes
+move. Each block has an ``Entry``:
+
+- ``tiers`` -- bitmask of tiers holding a complete, readable copy (bit i = tier i);
+- ``pending`` -- bitmask of tiers being written (not readable there yet);
+- ``pins`` -- readers, in-flight moves out of it, and request pins; a pinned block is never
+  chosen for eviction.
+
+Each tier that the store manages (bounded, local) has an eviction policy tracking exactly the keys
+resident there. ``plan_room`` asks it for victims, all-or-nothing, skipping pinned or pending
+blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtier.keys import BlockKey
+from kvtier.policy import EvictionPolicy, make_policy
+
+
+@dataclass(slots=True)
+class Entry:
+    tiers: int = 0
+    pending: int = 0
+    pins: int = 0
+
+    def best_tier(self) -> int:
+        """Index of the fastest tier holding the block; -1 if none."""
+        t = self.tiers
+        return (t & -t).bit_length() - 1 if t else -1
+
+
+class BlockIndex:
+    """Entries by key plus one eviction policy per managed tier. Not thread-safe."""
+
+    def __init__(self, policy: str, capacities: Sequence[int]) -> None:
+        """``capacities[i]`` is tier i's size in blocks, 0 for a tier the store does not evict
+        from (unbounded / shared tiers evict on their own)."""
+        self.entries: dict[BlockKey, Entry] = {}
+        self.capacities = list(capacities)
+        self.policies: list[EvictionPolicy[BlockKey] | None] = [
+            make_policy(policy, c) if c else None  # type: ignore[misc]
+            for c in capacities
+        ]
+        self.resident = [0] * len(capacities)  # complete + pending-in, per tier
+
+    # -- queries ---------------------------------------------------------------------------
+    def readable(self, key: BlockKey) -> Entry | None:
+        e = self.entries.get(key)
+        return e if e is not None and e.tiers else None
+
+    def free(self, tier: int) -> int:
+        cap = self.capacities[tier]
+        return cap - self.resident[tier] if cap else 1 << 62
+
+    # -- updates ---------------------------------------------------------------------------
+    def begin_write(self, key: BlockKey, tier: int) -> Entry:
+        """Mark ``key`` as being written into ``tier`` (counts against its room)."""
+        e = self.entries.get(key)
+        if e is None:
+            e = self.entries[key] = Entry()
+        e.pending |= 1 << tier
+        self.resident[tier] += 1
+        return e
+
+    def end_write(self, keys: Sequence[BlockKey], tier: int, ok: Sequence[bool]) -> None:
+        """Commit (``ok``) or roll back the writes of ``keys`` into ``tier``; prefix order."""
+        bit = 1 << tier
+        policy = self.policies[tier]
+        committed = []
+        for key, good in zip(keys, ok, strict=True):
+            e = self.entries.get(key)
+            if e is None or not e.pending & bit:
+                continue
+            e.pending &= ~bit
+            if good and not e.tiers & bit:
+                e.tiers |= bit
+                committed.append(key)
+            else:
+                self.resident[tier] -= 1
+                self._forget_if_empty(key, e)
+        if policy is not None and committed:
+            policy.insert(committed)
+
+    def add_present(self, keys: Sequence[BlockKey], tier: int) -> None:
+        """Record blocks found already present in ``tier`` (warm restart, a shared hit)."""
+        bit = 1 << tier
+        policy = self.policies[tier]
+        fresh = []
+        for key in keys:
+            e = self.entries.get(key)
+            if e is None:
+                e = self.entries[key] = Entry()
+            if not (e.tiers | e.pending) & bit:
+                e.tiers |= bit
+                self.resident[tier] += 1
+                fresh.append(key)
+        if policy is not None and fresh:
+            policy.insert(fresh)
+
+    def drop(self, key: BlockKey, tier: int) -> None:
+        """``key`` is no longer in ``tier`` (deleted, evicted, found corrupt or missing)."""
+        e = self.entries.get(key)
+        bit = 1 << tier
+        if e is None or not e.tiers & bit:
+            return
+        e.tiers &= ~bit
+        self.resident[tier] -= 1
+        policy = self.policies[tier]
+        if policy is not None:
+            policy.remove(key)
+        self._forget_if_empty(key, e)
+
+    def touch(self, keys: Sequence[BlockKey], tier: int) -> None:
+        policy = self.policies[tier]
+        if policy is not None and keys:
+            policy.access(keys)
+
+    def pin(self, keys: Sequence[BlockKey]) -> None:
+        for key in keys:
+            self.entries[key].pins += 1
+
+    def unpin(self, keys: Sequence[BlockKey]) -> None:
+        for key in keys:
+            e = self.entries.get(key)
+            if e is not None:
+                e.pins -= 1
+                self._forget_if_empty(key, e)
+
+    def plan_room(self, tier: int, n: int) -> list[BlockKey] | None:
+        """Victims to evict from ``tier`` so ``n`` more blocks fit; None if impossible.
+
+        The victims are removed from the tier's policy (the caller must then move or drop them;
+        they still count as resident until ``drop``).
+        """
+        need = n - self.free(tier)
+        if need <= 0:
+            return []
+        policy = self.policies[tier]
+        if policy is None:
+            return []
+        entries = self.entries
+
+        def evictable(key: BlockKey) -> bool:
+            e = entries[key]
+            return e.pins == 0 and e.pending == 0
+
+        return policy.evict(need, evictable)
+
+    def _forget_if_empty(self, key: BlockKey, e: Entry) -> None:
+        if not e.tiers and not e.pending and e.pins <= 0:
+            self.entries.pop(key, None)
