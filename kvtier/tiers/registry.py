@@ -19,6 +19,7 @@ from kvtier.tiers.base import Tier
 TIER_KINDS: dict[str, str] = {
     "host": "kvtier.tiers.host:HostTier",
     "device": "kvtier.tiers.device:DeviceTier",
+    "nvme": "kvtier.tiers.nvme:NVMeTier",
 }
 
 

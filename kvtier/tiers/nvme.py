@@ -1,0 +1,497 @@
+"""Local NVMe tier (G3): preallocated slot files, O_DIRECT, striped over directories.
+
+Each directory (one per device) holds one preallocated file of fixed-size slots; global slot
+``g`` lives in directory ``g % D`` at local slot ``g // D``, so consecutive puts alternate
+devices. A slot is a 64-byte ``codec`` header (key, layout fingerprint, payload checksum) plus
+the payload, padded to 4096 bytes, so reads and writes are whole aligned slots and go through
+``O_DIRECT`` where the filesystem allows it (probed at open; where it does not, e.g. tmpfs, one
+warning line and buffered I/O). Bytes move through page-aligned ``mmap`` staging buffers with the
+fused ``codec.copy_in``/``copy_out`` copy+checksum, on a small pool of worker threads
+(``preadv``/``pwritev`` release the GIL), one task per block of a batch.
+
+Persistence and crash safety are described in ``kvtier.tiers.nvme_index``: a put is reported
+``True`` only after its bytes are durable *and* its index record is written; a reopen (warm
+restart, the default) rebuilds the key map from the persisted index in well under a second for
+100k blocks; ``warm_restart=False`` starts empty. Every read verifies the slot header and the
+payload checksum, so a torn, stale or foreign slot is a miss and is dropped.
+
+Faults (ENOSPC, EIO, EACCES, the directory removed underneath) mark that directory degraded:
+one error log line, its blocks become misses, puts go to the remaining directories, and
+``healthy`` turns False. The state is sticky for the life of the tier (reopen to retry). Only
+caller mistakes raise (``LayoutError``, ``ConfigError``, and ``TierLockedError`` when another
+process owns a directory).
+
+Thread-safety: all data methods may be called concurrently; ``close`` must not race them.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal, NamedTuple, TypeVar
+
+import numpy as np
+
+from kvtier import codec
+from kvtier.config import check_keys, parse_size
+from kvtier.errors import ConfigError
+from kvtier.keys import BlockKey, key_hex
+from kvtier.layout import KVLayout
+from kvtier.tiers.base import Array, Tier, TierUsage
+from kvtier.tiers.nvme_index import (
+    SLOTS_FILE,
+    DirIndex,
+    DirMeta,
+    SlotIO,
+    lock_directory,
+    slot_bytes_for,
+)
+from kvtier.tiers.slots import SlotTable
+
+log = logging.getLogger(__name__)
+
+ODirectMode = Literal["auto", "always", "never"]
+_T = TypeVar("_T")
+_HB = codec.HEADER_BYTES
+
+
+def _fingerprint(layout: KVLayout) -> bytes:
+    # KVLayout.fingerprint is a cached_property on a slotted dataclass, which cannot cache;
+    # call the underlying function until layout.py makes it a plain property.
+    try:
+        return layout.fingerprint
+    except TypeError:
+        fp: bytes = type(layout).fingerprint.func(layout)  # type: ignore[attr-defined]
+        return fp
+
+
+class _Slots(SlotTable):
+    """``SlotTable`` plus what a persistent, multi-device tier needs."""
+
+    def restore(self, mapping: Mapping[BlockKey, int]) -> None:
+        """Install ``key -> slot`` entries read from disk (at open, before any other use)."""
+        with self._lock:
+            self._slots.update(mapping)
+            used = set(self._slots.values())
+            self._free = [s for s in range(self._capacity - 1, -1, -1) if s not in used]
+
+    def retire(self, key: BlockKey, slot: int) -> None:
+        """Abort a reserved write without returning its slot (its device failed)."""
+        with self._lock:
+            self._writing.discard(key)
+
+    def purge(self, on_device: Callable[[int], bool]) -> int:
+        """Unmap every key and free slot for which ``on_device(slot)``; return keys dropped."""
+        with self._lock:
+            gone = [k for k, s in self._slots.items() if on_device(s)]
+            for k in gone:
+                del self._slots[k]
+            self._free = [s for s in self._free if not on_device(s)]
+            return len(gone)
+
+
+class _Buf:
+    """A page-aligned staging buffer of one slot (anonymous mmap), as bytes and as an array."""
+
+    __slots__ = ("arr", "mv")
+
+    def __init__(self, nbytes: int) -> None:
+        self.mv = memoryview(mmap.mmap(-1, nbytes))
+        self.arr: Array = np.frombuffer(self.mv, dtype=np.uint8)
+
+
+@dataclass(slots=True)
+class _Device:
+    index: int
+    path: Path
+    n_slots: int
+    fd: int = -1
+    lock_fd: int = -1
+    dindex: DirIndex | None = None
+    direct: bool = False
+    failed: str = ""
+
+
+class _Job(NamedTuple):
+    i: int  # position in the caller's batch
+    key: BlockKey
+    data: Array  # the caller's block (put) or destination (get)
+    slot: int  # global slot
+    dev: _Device
+
+
+class NVMeTier(Tier):
+    """Blocks in preallocated slot files over ``paths`` (one directory per device)."""
+
+    name = "nvme"
+    persistent = True
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        paths: Sequence[str | Path],
+        capacity_bytes: int,
+        *,
+        warm_restart: bool = True,
+        o_direct: ODirectMode = "auto",
+        workers: int = 4,
+        staging_bytes: int = 512 << 20,
+        io: SlotIO | None = None,
+    ) -> None:
+        super().__init__(layout)
+        if not paths:
+            raise ConfigError("nvme tier needs at least one directory in paths")
+        if o_direct not in ("auto", "always", "never"):
+            raise ConfigError(f"nvme tier o_direct must be auto/always/never, got {o_direct!r}")
+        self.slot_bytes = slot_bytes_for(self.block_bytes)
+        n = capacity_bytes // self.slot_bytes
+        if n < len(paths):
+            raise ConfigError(
+                f"nvme tier capacity {capacity_bytes} bytes holds {n} slots of {self.slot_bytes} "
+                f"bytes, fewer than the {len(paths)} directories; raise capacity"
+            )
+        self._io = io or SlotIO()
+        self._fp = _fingerprint(layout)
+        self._closed = False
+        self._fail_lock = threading.Lock()
+        nd = len(paths)
+        self._devs = [_Device(d, Path(p), len(range(d, n, nd))) for d, p in enumerate(paths)]
+        self._table = _Slots(n)
+        self._checksums = np.zeros(n, dtype=np.uint64)
+        nw = max(1, min(workers, staging_bytes // self.slot_bytes))
+        self._staging: queue.SimpleQueue[_Buf] = queue.SimpleQueue()
+        for _ in range(nw):
+            self._staging.put(_Buf(self.slot_bytes))
+        self._pool = ThreadPoolExecutor(max_workers=nw, thread_name_prefix="kvtier-nvme")
+        try:
+            restored: dict[BlockKey, int] = {}
+            for dev in self._devs:
+                self._open_device(dev, warm_restart, o_direct)
+                if dev.dindex is not None:
+                    for local, (key, csum) in dev.dindex.entries.items():
+                        g = local * nd + dev.index
+                        restored[BlockKey(key)] = g
+                        self._checksums[g] = csum
+            self._table.restore(restored)
+        except BaseException:
+            self.close()
+            raise
+        buffered = [str(d.path) for d in self._devs if not d.direct and not d.failed]
+        if buffered and o_direct == "auto":
+            log.warning("nvme tier: O_DIRECT unsupported on %s; using buffered I/O", buffered)
+        for dev in self._devs:
+            if dev.failed:
+                self._table.purge(self._on(dev))
+
+    @classmethod
+    def from_config(cls, layout: KVLayout, spec: Mapping[str, Any]) -> NVMeTier:
+        """``{"paths": [...], "capacity": "200GiB", "warm_restart": true, "o_direct": "auto",
+        "workers": 4}``; ``paths`` and ``capacity`` are required (the files are preallocated)."""
+        check_keys("tiers.nvme", spec, {"paths", "capacity", "warm_restart", "o_direct", "workers"})
+        paths = spec.get("paths")
+        if isinstance(paths, str | Path):
+            paths = [paths]
+        if not paths:
+            raise ConfigError('tiers.nvme needs paths, e.g. paths = ["/mnt/nvme0/kvtier"]')
+        if "capacity" not in spec:
+            raise ConfigError('tiers.nvme needs a capacity, e.g. capacity = "200GiB"')
+        mode = str(spec.get("o_direct", "auto"))
+        if mode not in ("auto", "always", "never"):
+            raise ConfigError(f"tiers.nvme o_direct must be auto/always/never, got {mode!r}")
+        warm = spec.get("warm_restart", True)
+        if isinstance(warm, str):
+            warm = warm.strip().lower() in ("1", "true", "yes", "on")
+        return cls(
+            layout,
+            [str(p) for p in paths],
+            parse_size(spec["capacity"], "tiers.nvme capacity"),
+            warm_restart=bool(warm),
+            o_direct=mode,  # type: ignore[arg-type]
+            workers=int(spec.get("workers", 4)),
+        )
+
+    # -- opening -----------------------------------------------------------------------------
+    def _open_device(self, dev: _Device, warm: bool, o_direct: ODirectMode) -> None:
+        try:
+            dev.path.mkdir(parents=True, exist_ok=True)
+            dev.lock_fd = lock_directory(dev.path)
+            meta = DirMeta(self._fp.hex(), self.block_bytes, self.slot_bytes, dev.n_slots)
+            old = DirMeta.read(dev.path)
+            if warm and old is not None and not old.compatible(meta):
+                log.warning(
+                    "nvme tier: %s holds blocks of another layout; starting it empty", dev.path
+                )
+            fresh = not warm or old is None or not old.compatible(meta)
+            meta.write(dev.path)
+            path = str(dev.path / SLOTS_FILE)
+            fd = self._io.open(path, os.O_RDWR | os.O_CREAT)
+            try:
+                self._io.allocate(fd, dev.n_slots * self.slot_bytes)
+            finally:
+                os.close(fd)
+            dev.fd, dev.direct = self._open_slots(path, o_direct)
+            dev.dindex = DirIndex(dev.path, dev.n_slots, self._io, fresh=fresh)
+        except OSError as exc:
+            self._fail(dev, "open", exc)
+
+    def _open_slots(self, path: str, o_direct: ODirectMode) -> tuple[int, bool]:
+        """Open the slot file with O_DIRECT if the filesystem takes it (probed by a read)."""
+        if o_direct != "never":
+            fd = -1
+            try:
+                fd = self._io.open(path, os.O_RDWR | os.O_DIRECT)
+                self._io.pread(fd, memoryview(mmap.mmap(-1, 4096)), 0)
+                return fd, True
+            except OSError as exc:
+                if fd >= 0:
+                    os.close(fd)
+                if exc.errno != errno.EINVAL:
+                    raise
+                if o_direct == "always":
+                    raise ConfigError(
+                        f"nvme tier o_direct='always' but {path} does not support O_DIRECT; "
+                        f"use o_direct='auto' or another filesystem"
+                    ) from None
+        return self._io.open(path, os.O_RDWR), False
+
+    # -- queries -----------------------------------------------------------------------------
+    @property
+    def capacity_blocks(self) -> int:
+        return self._table.capacity
+
+    @property
+    def healthy(self) -> bool:
+        return not any(d.failed for d in self._devs)
+
+    @property
+    def o_direct(self) -> bool:
+        """True if every healthy directory uses O_DIRECT."""
+        return all(d.direct for d in self._devs if not d.failed)
+
+    def usage(self) -> TierUsage:
+        return TierUsage(len(self._table), self._table.capacity, self.block_bytes)
+
+    def contains_prefix(self, keys: Sequence[BlockKey], tenant: str = "") -> int:
+        return self._table.prefix_len(list(keys))
+
+    def keys(self) -> Iterator[BlockKey]:
+        return self._table.keys()
+
+    # -- data --------------------------------------------------------------------------------
+    def put(
+        self, keys: Sequence[BlockKey], blocks: Sequence[Array], tenant: str = ""
+    ) -> list[bool]:
+        self.check_buffers(blocks, keys)
+        result = [False] * len(keys)
+        jobs: list[_Job] = []
+        for i, (key, block) in enumerate(zip(keys, blocks, strict=True)):
+            slot = self._table.reserve(key)
+            if slot == -1:
+                result[i] = True
+            elif slot is not None:
+                if self._dev(slot).failed:
+                    self._table.retire(key, slot)
+                else:
+                    jobs.append(_Job(i, key, block, slot, self._dev(slot)))
+        if not jobs:
+            return result
+        try:
+            for dev in self._ready(jobs):
+                self._guard(dev, "journal sync", self._index(dev).sync_dels)
+            sums = self._run([partial(self._write_one, j) for j in jobs])
+            done = [(j, s) for j, s in zip(jobs, sums, strict=True) if s is not None]
+            devs = list({j.dev.index: j.dev for j, _ in done}.values())
+            self._run(
+                [
+                    partial(self._guard, d, "fdatasync", partial(self._io.fdatasync, d.fd))
+                    for d in devs
+                ]
+            )
+            nd = len(self._devs)
+            for dev in devs:
+                items = [(j.slot // nd, bytes(j.key), s) for j, s in done if j.dev is dev]
+                if not dev.failed:
+                    self._guard(dev, "index write", partial(self._index(dev).record_put, items))
+            for j, s in done:
+                if not j.dev.failed:
+                    self._checksums[j.slot] = s
+                    self._table.publish(j.key, j.slot)
+                    result[j.i] = True
+        finally:
+            for j in jobs:
+                if not result[j.i]:
+                    (self._table.retire if j.dev.failed else self._table.abort)(j.key, j.slot)
+        return result
+
+    def get_into(
+        self, keys: Sequence[BlockKey], outs: Sequence[Array], tenant: str = ""
+    ) -> list[bool]:
+        self.check_buffers(outs, keys)
+        result = [False] * len(keys)
+        pinned: list[_Job] = []
+        try:
+            for i, (key, out) in enumerate(zip(keys, outs, strict=True)):
+                slot = self._table.acquire(key)
+                if slot is not None:
+                    pinned.append(_Job(i, key, out, slot, self._dev(slot)))
+            live = {d.index for d in self._ready(pinned)}
+            jobs = [j for j in pinned if j.dev.index in live]
+            got = self._run([partial(self._read_one, j) for j in jobs])
+        finally:
+            for j in pinned:
+                self._table.release(j.slot)
+        bad = []
+        for j, ok in zip(jobs, got, strict=True):
+            result[j.i] = ok is True
+            if ok is False:
+                log.warning(
+                    "nvme tier: block %s in %s failed verification; dropped",
+                    key_hex(j.key),
+                    j.dev.path,
+                )
+                bad.append(j.key)
+        if bad:
+            self.delete(bad)
+        return result
+
+    def delete(self, keys: Sequence[BlockKey], tenant: str = "") -> None:
+        pinned: list[tuple[BlockKey, int]] = []
+        nd = len(self._devs)
+        try:
+            by_dev: dict[int, list[tuple[int, bytes]]] = {}
+            for key in keys:
+                slot = self._table.acquire(key)
+                if slot is not None:
+                    pinned.append((key, slot))
+                    by_dev.setdefault(slot % nd, []).append((slot // nd, bytes(key)))
+            for d, items in by_dev.items():
+                dev = self._devs[d]
+                if not dev.failed:
+                    self._guard(dev, "index write", partial(self._index(dev).record_del, items))
+            for key, _ in pinned:
+                self._table.remove(key)
+        finally:
+            for _, slot in pinned:
+                self._table.release(slot)
+
+    def close(self) -> None:
+        """Finish in-flight work, snapshot each index, release files and locks. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        for dev in self._devs:
+            if dev.dindex is not None:
+                try:
+                    dev.dindex.close(compact=not dev.failed)
+                except OSError as exc:
+                    log.error(
+                        "nvme tier: %s: could not save the index on close (%s)", dev.path, exc
+                    )
+                dev.dindex = None
+            for fd in (dev.fd, dev.lock_fd):
+                if fd >= 0:
+                    os.close(fd)
+            dev.fd = dev.lock_fd = -1
+
+    # -- internals ---------------------------------------------------------------------------
+    def _dev(self, slot: int) -> _Device:
+        return self._devs[slot % len(self._devs)]
+
+    def _on(self, dev: _Device) -> Callable[[int], bool]:
+        nd, d = len(self._devs), dev.index
+        return lambda s: s % nd == d
+
+    def _run(self, tasks: list[Callable[[], _T]]) -> list[_T]:
+        """Run tasks on the worker pool (inline when there is only one) and return results."""
+        if len(tasks) == 1:
+            return [tasks[0]()]
+        futures = [self._pool.submit(t) for t in tasks]
+        return [f.result() for f in futures]
+
+    @staticmethod
+    def _index(dev: _Device) -> DirIndex:
+        assert dev.dindex is not None, "a device without an index is marked failed"
+        return dev.dindex
+
+    def _ready(self, jobs: Sequence[_Job]) -> list[_Device]:
+        """The devices of ``jobs`` that are healthy and whose slot file still exists."""
+        devs = {j.dev.index: j.dev for j in jobs}.values()
+        return [
+            d
+            for d in devs
+            if not d.failed and self._guard(d, "stat", partial(self._check_linked, d))
+        ]
+
+    @staticmethod
+    def _check_linked(dev: _Device) -> None:
+        if os.fstat(dev.fd).st_nlink == 0:
+            raise OSError(errno.ENOENT, "slot file or directory was removed")
+
+    def _guard(self, dev: _Device, what: str, fn: Callable[[], object]) -> bool:
+        """Run ``fn``; on ``OSError`` mark ``dev`` failed and return False."""
+        try:
+            fn()
+            return True
+        except OSError as exc:
+            self._fail(dev, what, exc)
+            return False
+
+    def _fail(self, dev: _Device, what: str, exc: OSError) -> None:
+        with self._fail_lock:
+            if dev.failed:
+                return
+            dev.failed = f"{what}: {exc}"
+        log.error(
+            "nvme tier: %s degraded after %s error (%s); its blocks are now misses",
+            dev.path,
+            what,
+            exc,
+        )
+        self._table.purge(self._on(dev))
+
+    def _write_one(self, job: _Job) -> int | None:
+        """Stage, checksum and write one block; its checksum, or None on an I/O error."""
+        if job.dev.failed:
+            return None
+        buf = self._staging.get()
+        try:
+            payload = buf.arr[_HB : _HB + self.block_bytes]
+            csum = codec.copy_in(payload, job.data)
+            buf.mv[:_HB] = codec.pack_header(job.key, self._fp, self.block_bytes, csum)
+            self._io.pwrite(job.dev.fd, buf.mv, (job.slot // len(self._devs)) * self.slot_bytes)
+            return csum
+        except OSError as exc:
+            self._fail(job.dev, "write", exc)
+            return None
+        finally:
+            self._staging.put(buf)
+
+    def _read_one(self, job: _Job) -> bool | None:
+        """True: verified hit; False: slot does not verify; None: I/O error."""
+        buf = self._staging.get()
+        try:
+            off = (job.slot // len(self._devs)) * self.slot_bytes
+            try:
+                self._io.pread(job.dev.fd, buf.mv, off)
+            except OSError as exc:
+                self._fail(job.dev, "read", exc)
+                return None
+            h = codec.unpack_header(buf.mv[:_HB])
+            expected = int(self._checksums[job.slot])
+            if not codec.header_matches(h, job.key, self._fp, self.block_bytes) or (
+                h is not None and h.checksum != expected
+            ):
+                return False
+            return codec.copy_out(job.data, buf.arr[_HB : _HB + self.block_bytes]) == expected
+        finally:
+            self._staging.put(buf)

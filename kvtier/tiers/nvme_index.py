@@ -1,0 +1,366 @@
+"""On-disk format of one NVMe tier directory, and its persisted index.
+
+A directory (one per device) holds::
+
+    kvtier.lock   flock'ed by the process that owns the directory; holds its PID
+    kvtier.meta   JSON: format version, layout fingerprint, block/slot bytes, slot count
+    slots.dat     n_slots preallocated slots of ``slot_bytes`` (64-byte header + payload,
+                  padded to 4096 so every slot is O_DIRECT aligned)
+    index.snap    snapshot of the index: (slot, key, checksum) records + trailing xxh3
+    index.log     append-only journal of 64-byte PUT/DEL records, each with its own xxh3
+
+Crash safety is an ordering rule, not a recovery procedure:
+
+1. A PUT record is appended only after the slot's bytes are durable (``fdatasync`` of the slot
+   file), so the index never names a slot whose data may still be in flight.
+2. A slot freed by a DEL is rewritten only after the DEL record is durable (``sync_dels``), so
+   after a crash no index entry can point at a slot that was being overwritten.
+3. The snapshot is written to a temp file, fsync'd and renamed; it carries a *generation*, and
+   journal records of an older generation are ignored, so a crash between writing the snapshot
+   and truncating the journal replays nothing twice.
+
+A torn or unparsable journal record (a crash mid-append) fails its own checksum and is skipped.
+Whatever the index says, a read still verifies the slot header (key, layout) and the payload
+checksum, so a damaged medium yields a miss, never wrong bytes.
+
+Reopening replays one numpy ``frombuffer`` of the snapshot plus a journal bounded to a few times
+the slot count, so 100k blocks reopen in well under a second.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import struct
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from kvtier.errors import TierLockedError
+
+ALIGN = 4096
+META_FILE = "kvtier.meta"
+SLOTS_FILE = "slots.dat"
+SNAP_FILE = "index.snap"
+JOURNAL_FILE = "index.log"
+LOCK_FILE = "kvtier.lock"
+META_VERSION = 1
+
+PUT, DEL = 1, 2
+REC_DTYPE = np.dtype(
+    [
+        ("gen", "<u4"),
+        ("op", "u1"),
+        ("_p", "V3"),
+        ("slot", "<u4"),
+        ("key", "V32"),
+        ("csum", "<u8"),
+        ("_q", "V4"),
+        ("rsum", "<u8"),
+    ]
+)
+REC_BYTES = REC_DTYPE.itemsize
+assert REC_BYTES == 64
+_REC_BODY = REC_BYTES - 8
+SNAP_DTYPE = np.dtype([("slot", "<u4"), ("key", "V32"), ("csum", "<u8")])
+_SNAP_HEAD = struct.Struct("<4sIIQ")  # magic, version, generation, count
+_SNAP_MAGIC = b"KVTS"
+
+Entry = tuple[bytes, int]  # (key, payload checksum)
+
+
+def slot_bytes_for(block_bytes: int) -> int:
+    """Bytes one slot occupies on disk: 64-byte header + payload, rounded up to 4096."""
+    return -(-(64 + block_bytes) // ALIGN) * ALIGN
+
+
+class SlotIO:
+    """The syscalls the NVMe tier makes. Tests subclass it to inject faults (ENOSPC, EIO, ...).
+
+    Every method raises ``OSError`` on failure; the tier turns that into misses.
+    """
+
+    def open(self, path: str, flags: int) -> int:
+        return os.open(path, flags, 0o644)
+
+    def pwrite(self, fd: int, buf: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(buf):
+            n = os.pwritev(fd, [buf[done:]], offset + done)
+            if n <= 0:
+                raise OSError(errno.EIO, "short write")
+            done += n
+
+    def pread(self, fd: int, buf: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(buf):
+            n = os.preadv(fd, [buf[done:]], offset + done)
+            if n <= 0:
+                raise OSError(errno.EIO, f"short read at offset {offset + done}")
+            done += n
+
+    def append(self, fd: int, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+
+    def fdatasync(self, fd: int) -> None:
+        os.fdatasync(fd)
+
+    def allocate(self, fd: int, size: int) -> None:
+        """Make the file exactly ``size`` bytes, with its blocks reserved on the device."""
+        if os.fstat(fd).st_size > size:
+            os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
+
+
+@dataclass(frozen=True, slots=True)
+class DirMeta:
+    """What a directory holds; a directory whose meta differs from the tier's is started empty."""
+
+    fingerprint: str  # layout fingerprint, hex
+    block_bytes: int
+    slot_bytes: int
+    n_slots: int
+    version: int = META_VERSION
+
+    def compatible(self, other: DirMeta) -> bool:
+        return (self.fingerprint, self.block_bytes, self.slot_bytes, self.version) == (
+            other.fingerprint,
+            other.block_bytes,
+            other.slot_bytes,
+            other.version,
+        )
+
+    @staticmethod
+    def read(directory: Path) -> DirMeta | None:
+        """The directory's meta, or None if absent or unreadable."""
+        try:
+            raw = json.loads((directory / META_FILE).read_text())
+            return DirMeta(**raw)
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def write(self, directory: Path) -> None:
+        atomic_write(directory / META_FILE, json.dumps(asdict(self)).encode())
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via temp file + fsync + rename + directory fsync."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        SlotIO().append(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def lock_directory(directory: Path) -> int:
+    """Take the directory's exclusive lock; return its fd (close it to release).
+
+    Raises ``TierLockedError`` naming the directory and the holder's PID if another process
+    (or another tier in this process) holds it.
+    """
+    path = directory / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise TierLockedError(
+            f"NVMe tier directory {directory} is in use by process {holder} (lock {path}); "
+            f"stop that process or give this one a different directory"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+class DirIndex:
+    """The persisted slot -> (key, checksum) map of one directory (snapshot + journal).
+
+    ``entries`` mirrors what the files say. Methods raise ``OSError`` on I/O failure.
+    Thread-safe: every method runs under one lock.
+    """
+
+    def __init__(
+        self, directory: Path, n_slots: int, io: SlotIO, fresh: bool = False, tidy: bool = True
+    ) -> None:
+        """Load (or with ``fresh``, discard) the index; ``tidy`` compacts a replayed journal."""
+        self.directory = directory
+        self.n_slots = n_slots
+        self._io = io
+        self._lock = threading.Lock()
+        self._gen = 0
+        self._unsynced_dels = 0
+        self._records = 0
+        self.entries: dict[int, Entry] = {}
+        self.dropped = 0  # entries found invalid at load (duplicates, out of range)
+        if fresh:
+            for name in (SNAP_FILE, JOURNAL_FILE):
+                (directory / name).unlink(missing_ok=True)
+        else:
+            self._load()
+        self._jfd = io.open(str(directory / JOURNAL_FILE), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        if tidy and (self._records or self.dropped or fresh):
+            self.compact()
+
+    # -- loading ---------------------------------------------------------------------------
+    def _load(self) -> None:
+        snap = _read_snapshot(self.directory / SNAP_FILE)
+        if snap is not None:
+            self._gen, recs = snap
+            for slot, key, csum in zip(
+                recs["slot"].tolist(), recs["key"].tolist(), recs["csum"].tolist(), strict=True
+            ):
+                self.entries[slot] = (key, csum)
+        try:
+            raw = (self.directory / JOURNAL_FILE).read_bytes()
+        except FileNotFoundError:
+            raw = b""
+        n = len(raw) // REC_BYTES
+        self._records = n
+        if n:
+            recs = np.frombuffer(raw, REC_DTYPE, count=n)
+            h = xxhash.xxh3_64_intdigest
+            ok = [
+                h(raw[i * REC_BYTES : i * REC_BYTES + _REC_BODY]) == r
+                for i, r in enumerate(recs["rsum"].tolist())
+            ]
+            live = recs[np.asarray(ok, dtype=bool) & (recs["gen"] == self._gen)]
+            for op, slot, key, csum in zip(
+                live["op"].tolist(),
+                live["slot"].tolist(),
+                live["key"].tolist(),
+                live["csum"].tolist(),
+                strict=True,
+            ):
+                if op == PUT:
+                    self.entries[slot] = (key, csum)
+                elif op == DEL and self.entries.get(slot, (b"",))[0] == key:
+                    del self.entries[slot]
+        # a key in two slots (a DEL lost in a crash): keep one, both hold its bytes
+        seen: dict[bytes, int] = {}
+        for slot in sorted(self.entries):
+            key = self.entries[slot][0]
+            if slot >= self.n_slots:
+                del self.entries[slot]
+                self.dropped += 1
+                continue
+            prev = seen.get(key)
+            if prev is not None:
+                del self.entries[prev]
+                self.dropped += 1
+            seen[key] = slot
+
+    # -- updates ---------------------------------------------------------------------------
+    def record_put(self, items: list[tuple[int, bytes, int]]) -> None:
+        """Record (slot, key, checksum) of blocks whose bytes are already durable."""
+        with self._lock:
+            self._append(PUT, items)
+            for slot, key, csum in items:
+                self.entries[slot] = (key, csum)
+            self._maybe_compact()
+
+    def record_del(self, items: list[tuple[int, bytes]]) -> None:
+        """Record that these (slot, key) pairs are gone; see ``sync_dels`` before reusing."""
+        with self._lock:
+            self._append(DEL, [(s, k, 0) for s, k in items])
+            for slot, key in items:
+                if self.entries.get(slot, (b"",))[0] == key:
+                    del self.entries[slot]
+            self._unsynced_dels += len(items)
+            self._maybe_compact()
+
+    def sync_dels(self) -> None:
+        """Make recorded DELs durable; call before overwriting a slot freed since the last sync."""
+        with self._lock:
+            if self._unsynced_dels:
+                self._io.fdatasync(self._jfd)
+                self._unsynced_dels = 0
+
+    def compact(self) -> None:
+        """Write a snapshot of ``entries`` (new generation) and empty the journal."""
+        with self._lock:
+            self._compact()
+
+    def close(self, compact: bool = True) -> None:
+        """Snapshot (unless ``compact`` is False, e.g. the device failed) and close the journal."""
+        with self._lock:
+            try:
+                if compact:
+                    self._compact()
+            finally:
+                os.close(self._jfd)
+
+    def _append(self, op: int, items: list[tuple[int, bytes, int]]) -> None:
+        recs = np.zeros(len(items), REC_DTYPE)
+        recs["gen"] = self._gen
+        recs["op"] = op
+        recs["slot"] = [s for s, _, _ in items]
+        recs["key"] = [k for _, k, _ in items]
+        recs["csum"] = [c for _, _, c in items]
+        rows = recs.view(np.uint8).reshape(len(items), REC_BYTES)
+        recs["rsum"] = [
+            xxhash.xxh3_64_intdigest(rows[i, :_REC_BODY].tobytes()) for i in range(len(items))
+        ]
+        self._io.append(self._jfd, recs.tobytes())
+        self._records += len(items)
+
+    def _maybe_compact(self) -> None:
+        if self._records > max(4096, 4 * self.n_slots):
+            self._compact()
+
+    def _compact(self) -> None:
+        recs = np.zeros(len(self.entries), SNAP_DTYPE)
+        if self.entries:
+            slots = sorted(self.entries)
+            recs["slot"] = slots
+            recs["key"] = [self.entries[s][0] for s in slots]
+            recs["csum"] = [self.entries[s][1] for s in slots]
+        gen = (self._gen + 1) & 0xFFFFFFFF
+        body = _SNAP_HEAD.pack(_SNAP_MAGIC, META_VERSION, gen, len(recs)) + recs.tobytes()
+        atomic_write(
+            self.directory / SNAP_FILE, body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+        )
+        self._gen = gen
+        os.ftruncate(self._jfd, 0)
+        self._records = 0
+        self._unsynced_dels = 0
+
+
+def _read_snapshot(path: Path) -> tuple[int, np.ndarray[Any, np.dtype[Any]]] | None:
+    """(generation, records) of a valid snapshot, or None if absent or damaged."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    if len(raw) < _SNAP_HEAD.size + 8:
+        return None
+    body, (trailer,) = raw[:-8], struct.unpack("<Q", raw[-8:])
+    magic, version, gen, count = _SNAP_HEAD.unpack_from(body)
+    if (
+        magic != _SNAP_MAGIC
+        or version != META_VERSION
+        or xxhash.xxh3_64_intdigest(body) != trailer
+        or len(body) != _SNAP_HEAD.size + count * SNAP_DTYPE.itemsize
+    ):
+        return None
+    return gen, np.frombuffer(body, SNAP_DTYPE, count=count, offset=_SNAP_HEAD.size)
