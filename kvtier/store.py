@@ -343,11 +343,7 @@ class TieredStore:
             new = [i for i, k in enumerate(keys) if k not in self._index.entries]
             self._counters.skipped_blocks += n_blocks - len(new)
         # a store larger than the first tier goes in slices: earlier slices get demoted
-        step = (
-            max(1, self.tiers[0].capacity_blocks // 2)
-            if self.tiers[0].capacity_blocks
-            else len(new)
-        )
+        step = self.tiers[0].capacity_blocks or len(new) or 1
         written = 0
         for start in range(0, len(new), step):
             part = new[start : start + step]
@@ -355,6 +351,9 @@ class TieredStore:
             written += done
             if done < len(part):
                 break
+        with self._lock:  # the whole chain, in prefix order, so parents outlive children
+            in_first = [k for k in keys if (e := self._index.entries.get(k)) and e.tiers & 1]
+            self._index.touch(in_first, 0)
         return written * self.layout.block_tokens
 
     def _store_blocks(self, keys: list[BlockKey], views: list[Array], ns: Namespace) -> int:
@@ -428,7 +427,7 @@ class TieredStore:
         n = ok.index(False) if False in ok else len(ok)
         promote = self._finish_load(reads, ok, n, ns)
         if promote:
-            self._promote([reads[i].key for i in promote], [views[i] for i in promote], ns.owner)
+            self._promote([reads[i] for i in promote], [views[i] for i in promote], ns.owner)
         return n * bt
 
     def _read_blocks(self, reads: list[_Read], views: list[Array], owner: str) -> list[bool]:
@@ -474,29 +473,29 @@ class TieredStore:
                 cnt.miss_tokens += max(0, len(reads) - n) * bt
         return [i for i, r in enumerate(reads[:n]) if r.tier != 0]
 
-    def _promote(self, keys: list[BlockKey], views: list[Array], owner: str) -> None:
+    def _promote(self, reads: list[_Read], views: list[Array], owner: str) -> None:
         """Copy blocks just loaded from a lower tier into the first tier.
 
-        Never waits on the load path: what fits now is promoted; if the first tier is full,
-        room is made asynchronously for the next time.
+        If the first tier has room now, the copy is made from ``views`` (already in host
+        memory) before returning; otherwise the promotion is a background job that first makes
+        room (demoting victims) and then re-reads the blocks -- the load path never waits on a
+        demotion.
         """
         idx = self._index
         moves: list[Move] = []
         with self._lock:
             todo = [
-                (k, v)
-                for k, v in zip(keys, views, strict=True)
-                if (e := idx.entries.get(k)) is not None and not (e.tiers | e.pending) & 1
+                (r.key, v)
+                for r, v in zip(reads, views, strict=True)
+                if (e := idx.entries.get(r.key)) is not None and not (e.tiers | e.pending) & 1
             ]
-            fit = min(len(todo), max(0, idx.free(0)))
-            if fit < len(todo):
-                victims = idx.plan_room(0, len(todo))
-                if victims:
-                    self._plan_eviction(0, victims, moves)
-            todo = todo[:fit]
+            if idx.free(0) < len(todo):
+                wanted = {k for k, _ in todo}
+                moves = self._plan_fetch([r for r in reads if r.key in wanted], owner)
+                todo = []
             for k, _ in todo:
                 idx.begin_write(k, 0)
-        self._submit("demote", moves)
+        self._submit("promote", moves)
         if not todo:
             return
         first = self.tiers[0]
@@ -506,6 +505,47 @@ class TieredStore:
         with self._lock:
             idx.end_write([k for k, _ in todo], 0, ok)
             self._counters.promotions += sum(ok)
+
+    def _plan_fetch(self, reads: list[_Read], owner: str) -> list[Move]:
+        """Moves that bring ``reads`` up into the first tier, evictions first (under lock)."""
+        idx = self._index
+        moves: list[Move] = []
+        victims = idx.plan_room(0, len(reads))
+        if victims is None:  # only what fits without evicting pinned blocks
+            reads = reads[: max(0, idx.free(0))]
+        elif victims:
+            self._plan_eviction(0, victims, moves)
+        by_src: dict[int, list[BlockKey]] = {}
+        for r in reads:
+            idx.begin_write(r.key, 0)
+            idx.pin([r.key])
+            by_src.setdefault(r.tier, []).append(r.key)
+        for src, keys in by_src.items():
+            moves.append(Move(src, 0, keys, [owner] * len(keys), delete_src=False))
+        return moves
+
+    def prefetch(self, tokens: Any, tenant: str | None = None) -> int:
+        """Start bringing the cached prefix of ``tokens`` up into the first tier; return how
+        many tokens' blocks were scheduled. Asynchronous: ``flush()`` waits for it."""
+        toks = as_tokens(tokens)
+        ns = self.namespace(tenant)
+        limit = len(toks) // self.layout.block_tokens
+        self._poll()
+        with self._lock:
+            reads = self._readable_prefix(iter_keys(ns, toks), limit)
+        shared = self._shared_extension(ns, toks, len(reads), limit)
+        with self._lock:
+            for r in shared:
+                self._index.add_present([r.key], r.tier)
+            todo = [
+                r
+                for r in reads + shared
+                if (e := self._index.entries.get(r.key)) is not None
+                and not (e.tiers | e.pending) & 1
+            ]
+            moves = self._plan_fetch(todo, ns.owner)
+        self._submit("promote", moves)
+        return sum(len(m.keys) for m in moves if m.dst == 0) * self.layout.block_tokens
 
     # -- prefetch / pin --------------------------------------------------------------------
     @contextlib.contextmanager

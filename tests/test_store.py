@@ -1,0 +1,184 @@
+"""Scenario tests of TieredStore on host tiers: the stories users rely on."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from kvtier.errors import ConfigError, LayoutError, TokenError
+from kvtier.tiers.host import HostTier
+from tests.helpers import SMALL, host_store, kv_for
+
+BT = SMALL.block_tokens
+
+
+def test_shared_system_prompt_is_reused_across_requests() -> None:
+    system = list(range(100, 112))  # 3 blocks
+    a, b = system + [1, 2, 3, 4, 5], system + [9, 9, 9, 9, 9, 9]
+    with host_store() as st:
+        assert st.lookup(a) == 0
+        assert st.store(a, kv_for(a)) == 16
+        assert st.lookup(b) == 12  # the system prompt, not b's own tail
+        out = np.zeros(SMALL.kv_shape(len(b)), SMALL.storage_dtype)
+        assert st.load(b, out) == 12
+        assert np.array_equal(out[:, :, :12], kv_for(b)[:, :, :12])
+        assert st.store(b, kv_for(b)) == 4  # the 3 shared blocks were skipped
+        assert st.stats()["store"]["skipped_blocks"] == 3
+
+
+def test_partial_block_is_not_cached() -> None:
+    toks = list(range(7))
+    with host_store() as st:
+        assert st.store(toks, kv_for(toks)) == BT
+        assert st.lookup(toks) == BT
+        assert st.lookup(toks[:3]) == 0
+
+
+def test_different_prefix_same_block_tokens_do_not_match() -> None:
+    """A block's identity includes everything before it."""
+    a = [1, 2, 3, 4, 5, 6, 7, 8]
+    b = [9, 9, 9, 9, 5, 6, 7, 8]
+    with host_store() as st:
+        st.store(a, kv_for(a))
+        assert st.lookup(b) == 0
+
+
+def test_tenants_are_isolated_unless_share_group() -> None:
+    toks = list(range(8))
+    with host_store() as st:
+        st.store(toks, kv_for(toks), tenant="alice")
+        assert st.lookup(toks, tenant="alice") == 8
+        assert st.lookup(toks, tenant="bob") == 0
+        assert st.stats()["tenants"]["alice"]["stored_tokens"] == 8
+    with host_store(share_group="org") as st:
+        st.store(toks, kv_for(toks), tenant="alice")
+        assert st.lookup(toks, tenant="bob") == 8
+
+
+def test_eviction_demotes_and_hit_promotes() -> None:
+    with host_store(4, lower=32) as st:
+        seqs = [[s] * 8 for s in range(1, 7)]  # 6 prompts x 2 blocks = 12 blocks > 4
+        for s in seqs:
+            st.store(s, kv_for(s))
+        st.flush()
+        assert all(st.lookup(s) == 8 for s in seqs)  # nothing lost: demoted to host2
+        assert "host2" in st.locate(seqs[0])
+        out = np.zeros(SMALL.kv_shape(8), SMALL.storage_dtype)
+        assert st.load(seqs[0], out) == 8
+        assert np.array_equal(out, kv_for(seqs[0]))
+        st.flush()
+        assert st.locate(seqs[0]) == ["host", "host"]  # promoted
+        s = st.stats()["store"]
+        assert s["demotions"] >= 8 and s["promotions"] >= 1
+
+
+def test_block_falls_off_the_last_tier() -> None:
+    with host_store(4) as st:
+        for s in range(1, 5):
+            st.store([s] * 8, kv_for([s] * 8))
+        st.flush()
+        assert st.lookup([1] * 8) == 0
+        assert st.lookup([4] * 8) == 8
+
+
+def test_parent_is_kept_over_its_child() -> None:
+    """Prefix-aware eviction: a child is evicted before its parent."""
+    with host_store(3) as st:
+        long = list(range(12))
+        st.store(long, kv_for(long))
+        other = [50] * 4
+        st.store(other, kv_for(other))  # forces one eviction
+        st.flush()
+        assert st.lookup(long) == 8  # the leaf went, the root stayed
+
+
+def test_pinned_blocks_are_not_evicted() -> None:
+    with host_store(4) as st:
+        keep = [7] * 8
+        st.store(keep, kv_for(keep))
+        with st.pin(keep) as n:
+            assert n == 8
+            for s in range(1, 6):
+                st.store([s] * 8, kv_for([s] * 8))
+            assert st.lookup(keep) == 8
+
+
+def test_bit_flip_is_a_miss_and_counted() -> None:
+    toks = list(range(12))
+    with host_store() as st:
+        st.store(toks, kv_for(toks))
+        host = st.tiers[0].inner
+        assert isinstance(host, HostTier)
+        slot = host._table.acquire(st_keys(st, toks)[1])
+        assert slot is not None
+        host.slot_view(slot)[3] ^= 0x40
+        host._table.release(slot)
+        out = np.zeros(SMALL.kv_shape(12), SMALL.storage_dtype)
+        assert st.load(toks, out) == 4  # block 0 fine, block 1 corrupt -> prefix stops
+        assert np.array_equal(out[:, :, :4], kv_for(toks)[:, :, :4])
+        assert st.stats()["store"]["invalid_blocks"] == 1
+        assert st.lookup(toks) == 4
+
+
+def st_keys(st: object, toks: list[int]) -> list[bytes]:
+    from kvtier.keys import block_keys
+
+    return list(block_keys(st.namespace(), toks))  # type: ignore[attr-defined]
+
+
+def test_bad_input_is_rejected_and_nothing_stored() -> None:
+    toks = list(range(8))
+    with host_store() as st:
+        with pytest.raises(TokenError):
+            st.store([1.5] * 8, kv_for(toks))
+        with pytest.raises(TokenError):
+            st.lookup([-1, 2, 3, 4])
+        with pytest.raises(TokenError):
+            st.lookup([[1, 2], [3, 4]])
+        with pytest.raises(LayoutError, match="dtype"):
+            st.store(toks, kv_for(toks).astype(np.float32))
+        with pytest.raises(LayoutError, match="shape"):
+            st.store(toks, np.zeros((2, 2, 8, 3, 4), np.float16))
+        with pytest.raises(LayoutError, match="covers"):
+            st.store(toks[:4], kv_for(toks))
+        with pytest.raises(LayoutError, match="5-D"):
+            st.load(toks, np.zeros(10, np.float16))
+        with pytest.raises(LayoutError, match="numpy"):
+            st.store(toks, [[1]])
+        assert st.lookup(toks) == 0
+        assert st.stats()["store"]["stored_tokens"] == 0
+
+
+def test_misconfigured_store_says_what_to_change() -> None:
+    with pytest.raises(ConfigError, match="holds no block"):
+        HostTier(SMALL, 10)
+    with pytest.raises(ConfigError, match="policy"):
+        host_store(policy="nope")
+
+
+def test_concurrent_store_and_load_on_overlapping_prefixes() -> None:
+    system = list(range(1000, 1016))
+    errors: list[str] = []
+    with host_store(12, lower=24) as st:
+
+        def worker(seed: int) -> None:
+            rng = np.random.default_rng(seed)
+            for _ in range(40):
+                toks = system[: 4 * int(rng.integers(1, 5))] + [int(x) for x in rng.integers(0, 5, 8)]
+                if rng.random() < 0.5:
+                    st.store(toks, kv_for(toks))
+                else:
+                    out = np.zeros(SMALL.kv_shape(len(toks)), SMALL.storage_dtype)
+                    n = st.load(toks, out)
+                    if not np.array_equal(out[:, :, :n], kv_for(toks)[:, :, :n]):
+                        errors.append(f"wrong KV for {toks[:n]}")
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        st.flush()
+    assert errors == []
