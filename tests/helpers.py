@@ -13,20 +13,24 @@ from kvtier.tiers.host import HostTier
 SMALL = KVLayout(layers=2, kv_heads=2, head_dim=4, dtype="float16", block_tokens=4)
 
 
-def kv_for(tokens: list[int] | np.ndarray[Any, Any], layout: KVLayout = SMALL) -> np.ndarray[Any, Any]:
+def kv_for(
+    tokens: list[int] | np.ndarray[Any, Any], layout: KVLayout = SMALL
+) -> np.ndarray[Any, Any]:
     """Deterministic KV for a token sequence: position t of the result depends only on tokens[:t+1],
     like a real model's KV (so equal prefixes give equal KV)."""
     toks = np.asarray(tokens, dtype=np.int64)
     acc = np.cumsum(toks * 2654435761 % 65521)
     base = (acc % 997).astype(np.float32) / 997.0
     shape = layout.kv_shape(len(toks))
-    grid = np.arange(int(np.prod(shape)) // len(toks), dtype=np.float32).reshape(
+    grid = np.arange(shape[0] * shape[1] * shape[3] * shape[4], dtype=np.float32).reshape(
         shape[0], shape[1], 1, shape[3], shape[4]
     )
     return (grid * 0.001 + base.reshape(1, 1, -1, 1, 1)).astype(layout.storage_dtype)
 
 
-def host_store(blocks: int = 16, *, layout: KVLayout = SMALL, lower: int = 0, **kw: Any) -> TieredStore:
+def host_store(
+    blocks: int = 16, *, layout: KVLayout = SMALL, lower: int = 0, **kw: Any
+) -> TieredStore:
     tiers = [HostTier(layout, blocks * layout.block_bytes)]
     if lower:
         t2 = HostTier(layout, lower * layout.block_bytes)

@@ -166,7 +166,9 @@ def test_concurrent_store_and_load_on_overlapping_prefixes() -> None:
         def worker(seed: int) -> None:
             rng = np.random.default_rng(seed)
             for _ in range(40):
-                toks = system[: 4 * int(rng.integers(1, 5))] + [int(x) for x in rng.integers(0, 5, 8)]
+                toks = system[: 4 * int(rng.integers(1, 5))] + [
+                    int(x) for x in rng.integers(0, 5, 8)
+                ]
                 if rng.random() < 0.5:
                     st.store(toks, kv_for(toks))
                 else:
