@@ -20,6 +20,8 @@ TIER_KINDS: dict[str, str] = {
     "host": "kvtier.tiers.host:HostTier",
     "device": "kvtier.tiers.device:DeviceTier",
     "nvme": "kvtier.tiers.nvme:NVMeTier",
+    "redis": "kvtier.tiers.redis:RedisTier",
+    "s3": "kvtier.tiers.s3:S3Tier",
 }
 
 

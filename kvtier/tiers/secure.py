@@ -166,6 +166,19 @@ class BlockSealer:
         )
         return memoryview(buf)
 
+    def owns(self, value: bytes | bytearray | memoryview) -> bool:
+        """True unless ``value`` is a kvtier block framed under the *other* encryption setting.
+
+        A failed ``open_into`` on a value this sealer owns means corruption or tampering (the
+        tier may drop it); on one it does not own, a differently configured reader (a node
+        without the key) must leave it alone.
+        """
+        mv = memoryview(value)
+        hdr = (
+            codec.unpack_header(mv[: codec.HEADER_BYTES]) if len(mv) >= codec.HEADER_BYTES else None
+        )
+        return hdr is None or bool(hdr.flags & codec.FLAG_ENCRYPTED) == self.encrypted
+
     def open_into(
         self, key: BlockKey, value: bytes | bytearray | memoryview, out: Array, tenant: str
     ) -> bool:

@@ -1,0 +1,391 @@
+"""Redis / Valkey tier (G3.5 shared pool): a single server or a Redis Cluster, via redis-py.
+
+Every node of a deployment points at the same server(s), so a block one node stores is a hit on
+every other. kvtier runs no server; Redis evicts on its own (``maxmemory-policy allkeys-lru``
+recommended), so the tier is unbounded (``capacity_blocks`` 0) and not persistent.
+
+**Values.** A block is ONE Redis string: ``BlockSealer`` framing (64-byte header first, then the
+payload, or nonce + AES-GCM ciphertext when a key is configured). ``SET`` is atomic, so a reader
+sees the whole block or nothing; there is no separate metadata key to keep in step. Stores use
+``SET NX`` (a present key keeps its first value) with an optional ``EX`` TTL.
+
+**Keys and slots.** ``<prefix>:{<tenant>}:<hex key>`` by default (``hash_tag = "tenant"``): the
+hash tag puts all of a tenant's blocks in one Cluster slot, so a whole prompt's prefix lookup is
+ONE command -- a Lua script that walks the keys and stops at the first miss -- and one round
+trip even in Cluster. The trade-off: one tenant lives on one shard (a hot tenant cannot use the
+cluster's aggregate bandwidth or memory). ``hash_tag = "block"`` (``<prefix>:<tenant>:{<hex>}``)
+spreads blocks over every shard instead; lookups and batches are then one pipeline that redis-py
+fans out to the shards (requests to all nodes are written before any reply is read, so it is one
+round trip in latency, one per shard in count).
+
+**Batches.** ``get_into``/``put``/``delete`` use one non-transactional pipeline per
+``batch_bytes`` of values. Puts go out zero-copy: the sealed buffer is handed to the socket as a
+``memoryview`` (the pure-Python RESP packer; hiredis' packer would copy each value twice).
+Replies are parsed by hiredis; the payload is copied (and checksummed) once, from the reply into
+the caller's buffer.
+
+**Failures.** Socket timeouts bound each call (``timeout``, ``connect_timeout``); redis-py retries
+are off. Any Redis or socket error opens a ``CircuitBreaker``: the tier answers misses / False at
+once for ``cooldown`` seconds, reports ``healthy`` False, then lets one trial call through.
+
+Config (``[[tiers]] kind = "redis"``)::
+
+    url = "redis://127.0.0.1:6379/0"     # or rediss:// for TLS; user:password@ for AUTH/ACL
+    cluster = ["10.0.0.1:7000", ...]     # startup nodes: Redis Cluster mode (url then unused)
+    username = "kv" ; password = "..."   # override the URL's credentials
+    tls = false ; tls_ca_file = "" ; tls_cert_file = "" ; tls_key_file = "" ; tls_verify = true
+    prefix = "kvtier" ; hash_tag = "tenant" | "block" ; ttl = 0 (seconds, 0 = no expiry)
+    timeout = 1.0 ; connect_timeout = 1.0 ; cooldown = 5.0 ; batch_bytes = "256MiB"
+    encryption_key = "<hex>" ; tenant_keys = {} ; quota = 0 ; tenant_quotas = {}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import redis
+import redis.cluster
+from redis.backoff import NoBackoff
+from redis.connection import Connection, PythonRespSerializer, SSLConnection, parse_url
+from redis.retry import Retry
+
+from kvtier.config import check_keys, parse_size
+from kvtier.errors import ConfigError
+from kvtier.keys import BlockKey
+from kvtier.layout import KVLayout
+from kvtier.tiers.base import Array, Tier, TierUsage
+from kvtier.tiers.breaker import CircuitBreaker
+from kvtier.tiers.secure import (
+    SECURITY_KEYS,
+    BlockSealer,
+    TenantQuotas,
+    security_from_config,
+    tenant_token,
+)
+
+log = logging.getLogger(__name__)
+
+HashTag = Literal["tenant", "block"]
+_ERRORS: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+# Longest present prefix, in one command: stops at the first missing key.
+_PREFIX_LUA = """
+for i = 1, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 0 then return i - 1 end
+end
+return #KEYS
+"""
+
+
+class _ZeroCopyMixin:
+    """Pack commands with the pure-Python RESP serializer: large values go out as memoryviews."""
+
+    _buffer_cutoff: int
+    encoder: Any
+
+    def _construct_command_packer(self, packer: Any) -> Any:
+        return packer or PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
+
+
+class _ZeroCopyConnection(_ZeroCopyMixin, Connection):
+    pass
+
+
+class _ZeroCopySSLConnection(_ZeroCopyMixin, SSLConnection):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class RedisOptions:
+    """Connection options, validated once (see the module docstring for their meaning)."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    cluster: tuple[str, ...] = ()
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    tls: bool = False
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_verify: bool = True
+    timeout: float = 1.0
+    connect_timeout: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.timeout <= 0 or self.connect_timeout <= 0:
+            raise ConfigError("redis tier: timeout and connect_timeout must be > 0 seconds")
+        for node in self.cluster:
+            host, _, port = node.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"redis tier: cluster node {node!r} is not 'host:port'")
+
+    def connect(self) -> redis.Redis | redis.cluster.RedisCluster:
+        """A client (connects lazily or, for Cluster, now; raises redis errors if unreachable)."""
+        common: dict[str, Any] = {
+            "socket_timeout": self.timeout,
+            "socket_connect_timeout": self.connect_timeout,
+        }
+        if self.username is not None:
+            common["username"] = self.username
+        if self.password is not None:
+            common["password"] = self.password
+        tls = self.tls or (not self.cluster and self.url.startswith("rediss://"))
+        if tls:
+            common.update(
+                ssl_ca_certs=self.tls_ca_file,
+                ssl_certfile=self.tls_cert_file,
+                ssl_keyfile=self.tls_key_file,
+                ssl_cert_reqs="required" if self.tls_verify else "none",
+                ssl_check_hostname=self.tls_verify,
+            )
+        conn_cls = _ZeroCopySSLConnection if tls else _ZeroCopyConnection
+        if self.cluster:
+            nodes = [
+                redis.cluster.ClusterNode(h, int(p))  # type: ignore[no-untyped-call]
+                for h, _, p in (n.rpartition(":") for n in self.cluster)
+            ]
+            # ``url`` makes redis-py build node pools from our kwargs (connection_class included)
+            return redis.cluster.RedisCluster(
+                url=f"redis://{self.cluster[0]}",
+                startup_nodes=nodes,
+                connection_class=conn_cls,
+                retry=Retry(NoBackoff(), 0),
+                **common,
+            )
+        kw = {k: v for k, v in parse_url(self.url).items() if k != "connection_class"}  # type: ignore[no-untyped-call]
+        kw.update(common)
+        pool = redis.ConnectionPool(connection_class=conn_cls, retry=Retry(NoBackoff(), 0), **kw)
+        return redis.Redis(connection_pool=pool)
+
+
+class RedisTier(Tier):
+    """Shared tier on Redis/Valkey (single server or Cluster). Thread-safe."""
+
+    name = "redis"
+    shared = True
+    persistent = False
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        options: RedisOptions | None = None,
+        *,
+        prefix: str = "kvtier",
+        hash_tag: HashTag = "tenant",
+        ttl_s: int = 0,
+        cooldown_s: float = 5.0,
+        batch_bytes: int = 256 << 20,
+        sealer: BlockSealer | None = None,
+        quotas: TenantQuotas | None = None,
+    ) -> None:
+        super().__init__(layout)
+        if hash_tag not in ("tenant", "block"):
+            raise ConfigError(f"redis tier: hash_tag must be 'tenant' or 'block', got {hash_tag!r}")
+        if not prefix or any(c in prefix for c in "{} "):
+            raise ConfigError(
+                f"redis tier: prefix {prefix!r} must be non-empty, without {{}} or spaces"
+            )
+        if ttl_s < 0:
+            raise ConfigError(f"redis tier: ttl must be >= 0 seconds, got {ttl_s}")
+        self.options = options or RedisOptions()
+        self.prefix = prefix
+        self.hash_tag = hash_tag
+        self.ttl_s = ttl_s
+        self.sealer = sealer or BlockSealer(layout)
+        self.quotas = quotas or TenantQuotas(name="redis")
+        self.breaker = CircuitBreaker("redis tier", cooldown_s)
+        self._batch = max(1, batch_bytes // self.sealer.value_bytes)
+        self._client: redis.Redis | redis.cluster.RedisCluster | None = None
+        self._script: Any = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, layout: KVLayout, spec: Mapping[str, Any]) -> RedisTier:
+        """Build from a ``[[tiers]]`` table (keys listed in the module docstring)."""
+        opt_keys = {
+            "url",
+            "cluster",
+            "username",
+            "password",
+            "tls",
+            "tls_ca_file",
+            "tls_cert_file",
+            "tls_key_file",
+            "tls_verify",
+            "timeout",
+            "connect_timeout",
+        }
+        tier_keys = {"prefix", "hash_tag", "ttl", "cooldown", "batch_bytes"}
+        check_keys("tiers.redis", spec, opt_keys | tier_keys | SECURITY_KEYS)
+        opts = {k: spec[k] for k in opt_keys if k in spec}
+        if "cluster" in opts:
+            if not isinstance(opts["cluster"], list | tuple):
+                raise ConfigError("tiers.redis cluster must be a list of 'host:port' strings")
+            opts["cluster"] = tuple(str(n) for n in opts["cluster"])
+        sealer, quotas = security_from_config(layout, spec, "tiers.redis")
+        return cls(
+            layout,
+            RedisOptions(**opts),
+            prefix=str(spec.get("prefix", "kvtier")),
+            hash_tag=spec.get("hash_tag", "tenant"),
+            ttl_s=int(spec.get("ttl", 0)),
+            cooldown_s=float(spec.get("cooldown", 5.0)),
+            batch_bytes=parse_size(spec.get("batch_bytes", "256MiB"), "tiers.redis batch_bytes"),
+            sealer=sealer,
+            quotas=quotas,
+        )
+
+    # -- plumbing --------------------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        return self.breaker.healthy
+
+    @property
+    def capacity_blocks(self) -> int:
+        return 0
+
+    def redis_key(self, key: BlockKey, tenant: str) -> str:
+        """The Redis key of block ``key`` of ``tenant`` (hash tag per ``hash_tag``)."""
+        t = tenant_token(tenant)
+        if self.hash_tag == "tenant":
+            return f"{self.prefix}:{{{t}}}:{key.hex()}"
+        return f"{self.prefix}:{t}:{{{key.hex()}}}"
+
+    def client(self) -> redis.Redis | redis.cluster.RedisCluster:
+        """The shared client, created on first use (raises redis errors if unreachable)."""
+        with self._lock:
+            if self._client is None:
+                self._client = self.options.connect()
+                self._script = self._client.register_script(_PREFIX_LUA)
+            return self._client
+
+    def _pipeline(self) -> Any:
+        return self.client().pipeline(transaction=False)
+
+    def _chunks(self, n: int) -> list[range]:
+        return [range(i, min(n, i + self._batch)) for i in range(0, n, self._batch)]
+
+    # -- queries ---------------------------------------------------------------------------
+    def usage(self) -> TierUsage:
+        """Blocks under this tier's prefix, all tenants: a SCAN, meant for stats, not hot paths."""
+
+        def count() -> int:
+            client = self.client()
+            pattern = f"{self.prefix}:*"
+            if isinstance(client, redis.cluster.RedisCluster):
+                nodes = client.get_primaries()  # type: ignore[no-untyped-call]
+                return sum(
+                    1 for _ in client.scan_iter(match=pattern, count=1000, target_nodes=nodes)
+                )
+            return sum(1 for _ in client.scan_iter(match=pattern, count=1000))
+
+        return TierUsage(self.breaker.call(count, 0, _ERRORS), 0, self.block_bytes)
+
+    def contains_prefix(self, keys: Sequence[BlockKey], tenant: str = "") -> int:
+        if not keys:
+            return 0
+        names = [self.redis_key(k, tenant) for k in keys]
+
+        def probe() -> int:
+            self.client()
+            if self.hash_tag == "tenant":  # one slot: one script call, one round trip
+                return int(self._script(keys=names))
+            pipe = self._pipeline()
+            for n in names:
+                pipe.exists(n)
+            found = pipe.execute()
+            return next((i for i, f in enumerate(found) if not f), len(found))
+
+        return self.breaker.call(probe, 0, _ERRORS)
+
+    # -- data ------------------------------------------------------------------------------
+    def get_into(
+        self, keys: Sequence[BlockKey], outs: Sequence[Array], tenant: str = ""
+    ) -> list[bool]:
+        self.check_buffers(outs, keys)
+        result = [False] * len(keys)
+        bad: list[str] = []
+        for chunk in self._chunks(len(keys)):
+            names = [self.redis_key(keys[i], tenant) for i in chunk]
+
+            def fetch(names: list[str] = names) -> list[bytes | None]:
+                pipe = self._pipeline()
+                for n in names:
+                    pipe.get(n)
+                return list(pipe.execute())
+
+            values: list[bytes | None] = self.breaker.call(fetch, [], _ERRORS)
+            if not values:
+                break  # server down: the rest are misses too
+            for i, name, value in zip(chunk, names, values, strict=True):
+                if value is None:
+                    continue
+                ok = self.sealer.open_into(keys[i], value, outs[i], tenant)
+                result[i] = ok
+                if not ok and self.sealer.owns(value):
+                    log.warning("redis tier: block %s failed verification: dropped", name)
+                    bad.append(name)
+        if bad:
+            no_reply: list[int] = []
+            self.breaker.call(lambda: self._delete_names(bad), no_reply, _ERRORS)
+        return result
+
+    def put(
+        self, keys: Sequence[BlockKey], blocks: Sequence[Array], tenant: str = ""
+    ) -> list[bool]:
+        self.check_buffers(blocks, keys)
+        result = [False] * len(keys)
+        charge = self.block_bytes if self.quotas.active else 0
+        for chunk in self._chunks(len(keys)):
+            batch: list[tuple[int, str, memoryview]] = []
+            for i in chunk:
+                if charge and not self.quotas.reserve(tenant, charge):
+                    continue
+                value = self.sealer.seal(keys[i], blocks[i], tenant)
+                if value is None:
+                    self.quotas.release(tenant, charge)
+                    continue
+                batch.append((i, self.redis_key(keys[i], tenant), value))
+            if not batch:
+                continue
+
+            def store(batch: list[tuple[int, str, memoryview]] = batch) -> list[Any]:
+                pipe = self._pipeline()
+                for _, name, value in batch:
+                    pipe.set(name, value, nx=True, ex=self.ttl_s or None)
+                return list(pipe.execute())
+
+            replies: list[Any] = self.breaker.call(store, [], _ERRORS)
+            for j, (i, _, _) in enumerate(batch):
+                stored = bool(replies[j]) if replies else False
+                result[i] = stored or bool(replies)  # None reply: already present, kept
+                if charge and not stored:
+                    self.quotas.release(tenant, charge)
+        return result
+
+    def _delete_names(self, names: list[str]) -> list[int]:
+        pipe = self._pipeline()
+        for n in names:
+            pipe.delete(n)
+        return [int(x) for x in pipe.execute()]
+
+    def delete(self, keys: Sequence[BlockKey], tenant: str = "") -> None:
+        if not keys:
+            return
+        names = [self.redis_key(k, tenant) for k in keys]
+        removed: list[int] = self.breaker.call(lambda: self._delete_names(names), [], _ERRORS)
+        if self.quotas.active:
+            for r in removed:
+                if r:
+                    self.quotas.release(tenant, self.block_bytes)
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(*_ERRORS):
+                client.close()
