@@ -129,12 +129,13 @@ class KVLayout:
     def with_tp(self, tp: int) -> KVLayout:
         """The per-GPU layout under tensor parallelism ``tp``.
 
-        Heads are split across ranks; when ``tp`` exceeds the KV head count each rank still holds
-        one full head (heads are duplicated), so per-GPU KV never drops below one head.
+        Heads are split across ranks (rounded up to whole heads); when ``tp`` exceeds the KV
+        head count each rank still holds one full head (heads are duplicated), so per-GPU KV
+        never drops below one head.
         """
         if tp < 1:
             raise ConfigError(f"tensor parallel size must be >= 1, got {tp}")
-        heads = max(1, self.kv_heads // tp) if tp <= self.kv_heads else 1
+        heads = -(-self.kv_heads // tp)  # ceil: a rank holds whole heads
         return KVLayout(
             self.layers, heads, self.head_dim, self.dtype, self.kv_factor, self.block_tokens
         )

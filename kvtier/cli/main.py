@@ -32,21 +32,33 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _chosen(argv: Sequence[str]) -> str | None:
+    """The subcommand named in ``argv`` (first non-option word), if any."""
+    for word in argv:
+        if not word.startswith("-"):
+            return word if word in COMMANDS else None
+    return None
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The parser; only the chosen subcommand's module is imported (``kvtier plan`` stays light)."""
     parser = argparse.ArgumentParser(
         prog="kvtier", description="Tiered KV-cache store for LLM inference"
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = _chosen(argv)
     for name, (module, help_line) in COMMANDS.items():
         p = sub.add_parser(name, help=help_line, description=help_line)
-        importlib.import_module(module).add_arguments(p)
+        if name == chosen:
+            importlib.import_module(module).add_arguments(p)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(args_list)
+    args = parser.parse_args(args_list)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     module = importlib.import_module(COMMANDS[args.command][0])
