@@ -1,0 +1,343 @@
+"""NVMe tier: conformance, warm restart, damaged slot files and index, faults, locking, config."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.errors import ConfigError, TierLockedError
+from kvtier.keys import BlockKey
+from kvtier.layout import KVLayout
+from kvtier.tiers.base import Tier
+from kvtier.tiers.nvme import NVMeTier
+from kvtier.tiers.nvme_check import check_dir
+from kvtier.tiers.nvme_index import SLOTS_FILE, SNAP_FILE, SlotIO, slot_bytes_for
+from kvtier.tiers.registry import make_tier
+from tests.tier_conformance import LAYOUT, TierConformance, empty_block, rand_block, rand_key
+
+SLOT = slot_bytes_for(LAYOUT.block_bytes)
+
+
+def dirs(tmp_path: Path, n: int = 2) -> list[Path]:
+    return [tmp_path / f"nvme{i}" for i in range(n)]
+
+
+def open_tier(tmp_path: Path, blocks: int = 8, n_dirs: int = 2, **kw: object) -> NVMeTier:
+    return NVMeTier(LAYOUT, dirs(tmp_path, n_dirs), blocks * SLOT, **kw)  # type: ignore[arg-type]
+
+
+def slot_offset(tier: NVMeTier, key: BlockKey) -> tuple[Path, int]:
+    """(slot file, byte offset of the slot) holding ``key``."""
+    slot = tier._table.acquire(key)
+    assert slot is not None
+    tier._table.release(slot)
+    nd = len(tier._devs)
+    return tier._devs[slot % nd].path / SLOTS_FILE, (slot // nd) * tier.slot_bytes
+
+
+def patch_file(path: Path, offset: int, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class TestNVMeTier(TierConformance):
+    def make_tier(self, layout: KVLayout, capacity_blocks: int, tmp_path: Path) -> Tier:
+        return NVMeTier(
+            layout, dirs(tmp_path), capacity_blocks * slot_bytes_for(layout.block_bytes)
+        )
+
+    def corrupt(self, tier: Tier, key: BlockKey) -> bool:
+        assert isinstance(tier, NVMeTier)
+        path, off = slot_offset(tier, key)
+        byte = os.pread(os.open(path, os.O_RDONLY), 1, off + 100)
+        patch_file(path, off + 100, bytes([byte[0] ^ 0x10]))
+        return True
+
+    def reopen(self, tier: Tier, tmp_path: Path) -> Tier | None:
+        tier.close()
+        return self.make_tier(self.layout, self.capacity, tmp_path)
+
+
+# -- warm restart --------------------------------------------------------------------------
+def test_warm_restart_and_cold_start(tmp_path: Path) -> None:
+    keys = [rand_key() for _ in range(5)]
+    blocks = [rand_block(seed=i) for i in range(5)]
+    with_tier = open_tier(tmp_path)
+    assert with_tier.put(keys, blocks) == [True] * 5
+    with_tier.delete(keys[:1])
+    with_tier.close()
+
+    warm = open_tier(tmp_path)
+    assert set(warm.keys()) == set(keys[1:])
+    outs = [empty_block() for _ in keys]
+    assert warm.get_into(keys, outs) == [False, True, True, True, True]
+    assert [o.tobytes() for o in outs[1:]] == [b.tobytes() for b in blocks[1:]]
+    warm.close()
+
+    cold = open_tier(tmp_path, warm_restart=False)
+    assert cold.usage().used_blocks == 0 and cold.contains_prefix(keys[1:]) == 0
+    assert cold.put(keys[:1], blocks[:1]) == [True]
+    cold.close()
+
+
+def test_journal_replay_without_clean_close(tmp_path: Path) -> None:
+    """A process that dies without close leaves only the journal; the reopen replays it."""
+    keys = [rand_key() for _ in range(6)]
+    tier = open_tier(tmp_path)
+    tier.put(keys[:4], [rand_block(seed=i) for i in range(4)])
+    tier.delete(keys[1:2])
+    tier.put(keys[4:], [rand_block(seed=i) for i in range(4, 6)])
+    # simulate a crash: drop the locks without writing the snapshot
+    for dev in tier._devs:
+        os.close(dev.lock_fd)
+        dev.lock_fd = -1
+        assert dev.dindex is not None
+        os.close(dev.dindex._jfd)
+        dev.dindex = None
+    again = open_tier(tmp_path)
+    assert set(again.keys()) == {keys[0], keys[2], keys[3], keys[4], keys[5]}
+    out = empty_block()
+    assert again.get_into([keys[5]], [out]) == [True]
+    assert out.tobytes() == rand_block(seed=5).tobytes()
+    again.close()
+
+
+def test_capacity_shrink_keeps_blocks_that_fit(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path, blocks=8)
+    keys = [rand_key() for _ in range(8)]
+    tier.put(keys, [rand_block(seed=i) for i in range(8)])
+    tier.close()
+    small = open_tier(tmp_path, blocks=4)
+    held = list(small.keys())
+    assert len(held) == 4 and small.usage().used_blocks == 4
+    assert small.get_into(held, [empty_block() for _ in held]) == [True] * 4
+    small.close()
+
+
+def test_layout_change_starts_empty(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tier = open_tier(tmp_path)
+    tier.put([rand_key()], [rand_block()])
+    tier.close()
+    other = KVLayout(layers=2, kv_heads=2, head_dim=8, dtype="bfloat16", block_tokens=16)
+    with caplog.at_level(logging.WARNING):
+        t2 = NVMeTier(other, dirs(tmp_path), 8 * SLOT)
+    assert t2.usage().used_blocks == 0
+    assert "another layout" in caplog.text
+    t2.close()
+
+
+# -- damaged files -------------------------------------------------------------------------
+def test_torn_slot_found_on_reopen_and_by_check(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path)
+    keys = [rand_key() for _ in range(4)]
+    tier.put(keys, [rand_block(seed=i) for i in range(4)])
+    path, off = slot_offset(tier, keys[2])
+    tier.close()
+    patch_file(path, off + 64 + 10, b"\xff" * 64)  # half-written payload
+    report = check_dir(path.parent)
+    assert (report.torn, report.ok + report.torn) == (1, 2)
+    again = open_tier(tmp_path)
+    got = again.get_into(keys, [empty_block() for _ in keys])
+    assert got == [True, True, False, True]
+    assert again.contains_prefix(keys[2:3]) == 0  # dropped
+    again.close()
+
+
+def test_header_bit_flip_and_truncation_are_misses(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path, n_dirs=1)
+    keys = [rand_key() for _ in range(4)]
+    tier.put(keys, [rand_block(seed=i) for i in range(4)])
+    path, off0 = slot_offset(tier, keys[0])
+    tier.close()
+    patch_file(path, off0 + 20, b"\x01")  # inside the key field of the header
+    os.truncate(path, 2 * SLOT + 100)  # slots 2 and 3 cut off
+    again = open_tier(tmp_path, n_dirs=1)
+    outs = [empty_block() for _ in keys]
+    assert again.get_into(keys, outs) == [False, True, False, False]
+    assert outs[1].tobytes() == rand_block(seed=1).tobytes()
+    again.close()
+
+
+def test_damaged_snapshot_starts_empty_without_raising(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path, n_dirs=1)
+    tier.put([rand_key()], [rand_block()])
+    tier.close()
+    snap = dirs(tmp_path, 1)[0] / SNAP_FILE
+    snap.write_bytes(snap.read_bytes()[:-3] + b"xyz")
+    again = open_tier(tmp_path, n_dirs=1)
+    assert again.usage().used_blocks == 0 and again.healthy
+    again.close()
+    assert check_dir(dirs(tmp_path, 1)[0]).orphan == 1  # its bytes are left, unindexed
+
+
+def test_check_fix_drops_bad_slots(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path, n_dirs=1)
+    keys = [rand_key() for _ in range(3)]
+    tier.put(keys, [rand_block(seed=i) for i in range(3)])
+    path, off = slot_offset(tier, keys[1])
+    tier.delete(keys[2:])  # its bytes stay on disk: an orphan
+    tier.close()
+    patch_file(path, off + 64, b"\0\1\2\3")
+    patch_file(path, 6 * SLOT, b"not a kvtier block")
+    d = path.parent
+    found = check_dir(d)
+    assert (found.ok, found.torn, found.orphan, found.foreign) == (1, 1, 1, 1)
+    assert check_dir(d, fix=True).fixed == 3
+    clean = check_dir(d)
+    assert (clean.ok, clean.problems, clean.free) == (1, 0, 7)
+
+
+# -- faults --------------------------------------------------------------------------------
+class FaultyIO(SlotIO):
+    """Raises ``OSError(err)`` from the armed operation."""
+
+    def __init__(self) -> None:
+        self.fail: dict[str, int] = {}
+
+    def _maybe(self, op: str) -> None:
+        if op in self.fail:
+            raise OSError(self.fail[op], os.strerror(self.fail[op]))
+
+    def open(self, path: str, flags: int) -> int:
+        if flags & os.O_DIRECT:
+            self._maybe("open_direct")
+        self._maybe("open")
+        return super().open(path, flags)
+
+    def pwrite(self, fd: int, buf: memoryview, offset: int) -> None:
+        self._maybe("pwrite")
+        super().pwrite(fd, buf, offset)
+
+    def pread(self, fd: int, buf: memoryview, offset: int) -> None:
+        self._maybe("pread")
+        super().pread(fd, buf, offset)
+
+
+def errors_logged(caplog: pytest.LogCaptureFixture) -> int:
+    return sum(1 for r in caplog.records if r.levelno >= logging.ERROR)
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO, errno.EACCES])
+def test_write_fault_is_false_and_degrades(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, err: int
+) -> None:
+    io = FaultyIO()
+    tier = open_tier(tmp_path, n_dirs=1, io=io)
+    kept = rand_key()
+    assert tier.put([kept], [rand_block()]) == [True]
+    io.fail["pwrite"] = err
+    with caplog.at_level(logging.ERROR):
+        assert tier.put([rand_key(), rand_key()], [rand_block(), rand_block()]) == [False, False]
+        assert tier.put([rand_key()], [rand_block()]) == [False]
+        assert tier.get_into([kept], [empty_block()]) == [False]
+    assert not tier.healthy
+    assert errors_logged(caplog) == 1 and os.strerror(err) in caplog.text
+    tier.close()
+
+
+def test_read_eio_is_a_miss(tmp_path: Path) -> None:
+    io = FaultyIO()
+    tier = open_tier(tmp_path, n_dirs=1, io=io)
+    k = rand_key()
+    tier.put([k], [rand_block()])
+    io.fail["pread"] = errno.EIO
+    assert tier.get_into([k], [empty_block()]) == [False]
+    assert not tier.healthy and tier.contains_prefix([k]) == 0
+    tier.close()
+
+
+def test_unusable_directory_at_open_serves_misses(tmp_path: Path) -> None:
+    io = FaultyIO()
+    io.fail["open"] = errno.EACCES
+    tier = open_tier(tmp_path, n_dirs=1, io=io)
+    assert not tier.healthy
+    k = rand_key()
+    assert tier.put([k], [rand_block()]) == [False]
+    assert tier.get_into([k], [empty_block()]) == [False]
+    tier.close()
+
+
+def test_directory_removed_underneath(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tier = open_tier(tmp_path, n_dirs=2)
+    keys = [rand_key() for _ in range(4)]
+    assert tier.put(keys, [rand_block(seed=i) for i in range(4)]) == [True] * 4
+    shutil.rmtree(dirs(tmp_path)[1])
+    with caplog.at_level(logging.ERROR):
+        got = tier.get_into(keys, [empty_block() for _ in keys])
+    assert sorted(got) == [False, False, True, True]  # the other directory still serves
+    assert not tier.healthy and "removed" in caplog.text
+    more = [rand_key() for _ in range(4)]
+    assert tier.put(more, [rand_block() for _ in more]) == [True, True, False, False]
+    assert errors_logged(caplog) == 1
+    tier.close()
+
+
+def test_no_o_direct_falls_back_with_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    io = FaultyIO()
+    io.fail["open_direct"] = errno.EINVAL  # what tmpfs and some network filesystems say
+    with caplog.at_level(logging.WARNING):
+        tier = open_tier(tmp_path, io=io)
+    assert not tier.o_direct and tier.healthy
+    assert sum(1 for r in caplog.records if "O_DIRECT" in r.message) == 1
+    k, b = rand_key(), rand_block(seed=3)
+    out = empty_block()
+    assert tier.put([k], [b]) == [True] and tier.get_into([k], [out]) == [True]
+    assert out.tobytes() == b.tobytes()
+    tier.close()
+    with pytest.raises(ConfigError, match="O_DIRECT"):
+        open_tier(tmp_path, io=io, o_direct="always")
+
+
+# -- locking and config --------------------------------------------------------------------
+def test_second_opener_gets_a_clear_lock_error(tmp_path: Path) -> None:
+    first = open_tier(tmp_path)
+    with pytest.raises(TierLockedError, match=rf"nvme0 is in use by process {os.getpid()}"):
+        open_tier(tmp_path)
+    with pytest.raises(TierLockedError):
+        check_dir(dirs(tmp_path)[0])
+    first.close()
+    open_tier(tmp_path).close()  # released on close
+
+
+def test_from_config_and_registry(tmp_path: Path) -> None:
+    spec = {
+        "kind": "nvme",
+        "paths": [str(p) for p in dirs(tmp_path)],
+        "capacity": 8 * SLOT,
+        "warm_restart": True,
+        "o_direct": "auto",
+        "workers": 2,
+    }
+    tier = make_tier(LAYOUT, spec)
+    assert isinstance(tier, NVMeTier) and tier.capacity_blocks == 8 and tier.persistent
+    tier.close()
+    with pytest.raises(ConfigError, match="capacity"):
+        make_tier(LAYOUT, {"kind": "nvme", "paths": [str(tmp_path)]})
+    with pytest.raises(ConfigError, match="unknown key"):
+        make_tier(LAYOUT, {"kind": "nvme", "paths": [str(tmp_path)], "capacity": "1GiB", "x": 1})
+    with pytest.raises(ConfigError, match="o_direct"):
+        make_tier(LAYOUT, {"kind": "nvme", "paths": "p", "capacity": "1GiB", "o_direct": "yes"})
+    with pytest.raises(ConfigError, match="fewer than"):
+        NVMeTier(LAYOUT, dirs(tmp_path, 3), 2 * SLOT)
+
+
+def test_striping_alternates_directories(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path, blocks=8, n_dirs=2)
+    keys = [rand_key() for _ in range(4)]
+    tier.put(keys, [rand_block() for _ in keys])
+    per_dir = [len(d.dindex.entries) for d in tier._devs if d.dindex is not None]
+    assert per_dir == [2, 2]
+    assert np.all(np.asarray(per_dir) > 0)
+    tier.close()
