@@ -1,0 +1,417 @@
+"""S3 tier (G4 archive): blocks as objects in any S3-protocol store, via boto3.
+
+**Objects.** One object per block, holding the ``BlockSealer`` value (header first; encrypted
+per tenant when a key is configured), under ``<prefix>/<tenant>/<first 2 hex>/<hex key>``: the
+tenant directory makes per-tenant listing, lifecycle and IAM policies possible; the 2-hex fan-out
+spreads request load over S3's key-range partitions. An object becomes visible only when its
+PUT (or multipart completion) finishes, so a reader sees a whole block or nothing. Writes are
+conditional (``If-None-Match: *``): a present key keeps its first value.
+
+**Large blocks.** A value of ``multipart_threshold`` bytes or more is uploaded as a multipart
+upload whose parts go out in parallel (it pays once a block is larger than one PUT can stream
+at full speed, ~16 MiB on AWS); smaller ones are a single PUT. Batches run on a small thread
+pool (``workers``), one request per block.
+
+**Lookups.** S3 has no multi-key existence query, so ``contains_prefix`` HEADs the keys in
+waves of ``workers`` concurrent requests and stops at the first wave with a miss. That is
+``ceil(n / workers)`` round trips -- an archive tier is asked only for what the faster tiers
+miss; the one-round-trip lookup is the Redis tier's job.
+
+**TTL.** ``ttl_days`` > 0 installs (once, at first connect) a bucket lifecycle rule expiring
+objects under ``<prefix>/`` after that many days, merged with the bucket's other rules.
+
+**Failures.** A missing object is a miss. Any other client or network error opens a
+``CircuitBreaker``: misses / False for ``cooldown`` seconds, ``healthy`` False, then one trial.
+boto3 retries are off and connect/read timeouts are bounded (``timeout``).
+
+Config (``[[tiers]] kind = "s3"``)::
+
+    bucket = "kv-archive" ; endpoint_url = "" ; region = "us-east-1"
+    access_key = "" ; secret_key = ""        # empty: boto3's usual credential chain
+    prefix = "kvtier" ; create_bucket = false ; ttl_days = 0
+    workers = 8 ; multipart_threshold = "16MiB" ; multipart_chunk = "8MiB"
+    timeout = 5.0 ; cooldown = 10.0
+    encryption_key = "<hex>" ; tenant_keys = {} ; quota = 0 ; tenant_quotas = {}
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+from kvtier.config import check_keys, parse_size
+from kvtier.errors import ConfigError
+from kvtier.keys import BlockKey
+from kvtier.layout import KVLayout
+from kvtier.tiers.base import Array, Tier, TierUsage
+from kvtier.tiers.breaker import CircuitBreaker
+from kvtier.tiers.secure import (
+    SECURITY_KEYS,
+    BlockSealer,
+    TenantQuotas,
+    security_from_config,
+    tenant_token,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_ERRORS: tuple[type[BaseException], ...] = (BotoCoreError, ClientError, OSError)
+_MISSING = {"404", "NoSuchKey", "NotFound"}
+_EXISTS = {"412", "PreconditionFailed", "ConditionalRequestConflict"}
+
+
+def _code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+@dataclass(frozen=True, slots=True)
+class S3Options:
+    """Connection options, validated once (see the module docstring)."""
+
+    bucket: str
+    endpoint_url: str | None = None
+    region: str = "us-east-1"
+    access_key: str | None = None
+    secret_key: str | None = field(default=None, repr=False)
+    timeout: float = 5.0
+    workers: int = 8
+
+    def __post_init__(self) -> None:
+        if not self.bucket:
+            raise ConfigError("s3 tier: bucket is required")
+        if self.timeout <= 0:
+            raise ConfigError(f"s3 tier: timeout must be > 0 seconds, got {self.timeout}")
+        if self.workers < 1:
+            raise ConfigError(f"s3 tier: workers must be >= 1, got {self.workers}")
+
+    def connect(self) -> Any:
+        cfg = Config(
+            connect_timeout=self.timeout,
+            read_timeout=self.timeout,
+            retries={"max_attempts": 1, "mode": "standard"},
+            # blocks carry their own checksum (xxh3) or GCM tag: no second CRC over every byte
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            max_pool_connections=2 * self.workers,
+        )
+        return boto3.session.Session().client(
+            "s3",
+            endpoint_url=self.endpoint_url or None,
+            region_name=self.region,
+            aws_access_key_id=self.access_key or None,
+            aws_secret_access_key=self.secret_key or None,
+            config=cfg,
+        )
+
+
+class S3Tier(Tier):
+    """Archive tier on an S3-protocol object store. Thread-safe."""
+
+    name = "s3"
+    shared = True
+    persistent = False
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        options: S3Options,
+        *,
+        prefix: str = "kvtier",
+        create_bucket: bool = False,
+        ttl_days: int = 0,
+        multipart_threshold: int = 16 << 20,
+        multipart_chunk: int = 8 << 20,
+        cooldown_s: float = 10.0,
+        sealer: BlockSealer | None = None,
+        quotas: TenantQuotas | None = None,
+    ) -> None:
+        super().__init__(layout)
+        prefix = prefix.strip("/")
+        if not prefix:
+            raise ConfigError("s3 tier: prefix must be a non-empty path")
+        if ttl_days < 0:
+            raise ConfigError(f"s3 tier: ttl_days must be >= 0, got {ttl_days}")
+        if multipart_chunk < 5 << 20:
+            raise ConfigError("s3 tier: multipart_chunk must be at least 5MiB (an S3 limit)")
+        self.options = options
+        self.prefix = prefix
+        self.create_bucket = create_bucket
+        self.ttl_days = ttl_days
+        self.multipart_threshold = multipart_threshold
+        self.multipart_chunk = multipart_chunk
+        self.sealer = sealer or BlockSealer(layout)
+        self.quotas = quotas or TenantQuotas(name="s3")
+        self.breaker = CircuitBreaker("s3 tier", cooldown_s)
+        self._pool = ThreadPoolExecutor(options.workers, thread_name_prefix="kvtier-s3")
+        self._parts = ThreadPoolExecutor(options.workers, thread_name_prefix="kvtier-s3-part")
+        self._client: Any = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, layout: KVLayout, spec: Mapping[str, Any]) -> S3Tier:
+        """Build from a ``[[tiers]]`` table (keys listed in the module docstring)."""
+        opt_keys = {
+            "bucket",
+            "endpoint_url",
+            "region",
+            "access_key",
+            "secret_key",
+            "timeout",
+            "workers",
+        }
+        tier_keys = {
+            "prefix",
+            "create_bucket",
+            "ttl_days",
+            "multipart_threshold",
+            "multipart_chunk",
+            "cooldown",
+        }
+        check_keys("tiers.s3", spec, opt_keys | tier_keys | SECURITY_KEYS)
+        sealer, quotas = security_from_config(layout, spec, "tiers.s3")
+        return cls(
+            layout,
+            S3Options(**{k: spec[k] for k in opt_keys if k in spec}),
+            prefix=str(spec.get("prefix", "kvtier")),
+            create_bucket=bool(spec.get("create_bucket", False)),
+            ttl_days=int(spec.get("ttl_days", 0)),
+            multipart_threshold=parse_size(
+                spec.get("multipart_threshold", "16MiB"), "tiers.s3 multipart_threshold"
+            ),
+            multipart_chunk=parse_size(
+                spec.get("multipart_chunk", "8MiB"), "tiers.s3 multipart_chunk"
+            ),
+            cooldown_s=float(spec.get("cooldown", 10.0)),
+            sealer=sealer,
+            quotas=quotas,
+        )
+
+    # -- plumbing --------------------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        return self.breaker.healthy
+
+    @property
+    def capacity_blocks(self) -> int:
+        return 0
+
+    def object_key(self, key: BlockKey, tenant: str) -> str:
+        h = key.hex()
+        return f"{self.prefix}/{tenant_token(tenant)}/{h[:2]}/{h}"
+
+    def client(self) -> Any:
+        """The boto3 client, created (and the bucket prepared) on first use."""
+        with self._lock:
+            if self._client is None:
+                client = self.options.connect()
+                self._prepare_bucket(client)
+                self._client = client
+            return self._client
+
+    def _prepare_bucket(self, client: Any) -> None:
+        bucket = self.options.bucket
+        if self.create_bucket:
+            try:
+                client.head_bucket(Bucket=bucket)
+            except ClientError as exc:
+                if _code(exc) not in _MISSING | {"NoSuchBucket"}:
+                    raise
+                client.create_bucket(Bucket=bucket)
+        if self.ttl_days:
+            rule_id = f"kvtier-{self.prefix}"
+            try:
+                rules = client.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]
+            except ClientError:
+                rules = []  # no configuration yet
+            rules = [r for r in rules if r.get("ID") != rule_id] + [
+                {
+                    "ID": rule_id,
+                    "Status": "Enabled",
+                    "Filter": {"Prefix": self.prefix + "/"},
+                    "Expiration": {"Days": self.ttl_days},
+                }
+            ]
+            client.put_bucket_lifecycle_configuration(
+                Bucket=bucket, LifecycleConfiguration={"Rules": rules}
+            )
+
+    def _each(self, fn: Callable[[int], T], n: int, fallback: T) -> list[T]:
+        """``[fn(i) for i in range(n)]`` on the pool; all ``fallback`` if the server fails."""
+
+        def run() -> list[T]:
+            self.client()
+            return list(self._pool.map(fn, range(n)))
+
+        return self.breaker.call(run, [fallback] * n, _ERRORS)
+
+    # -- queries ---------------------------------------------------------------------------
+    def usage(self) -> TierUsage:
+        """Objects under this tier's prefix (all tenants): a listing, meant for stats."""
+
+        def count() -> int:
+            pages = (
+                self.client()
+                .get_paginator("list_objects_v2")
+                .paginate(Bucket=self.options.bucket, Prefix=self.prefix + "/")
+            )
+            return sum(int(p.get("KeyCount", 0)) for p in pages)
+
+        return TierUsage(self.breaker.call(count, 0, _ERRORS), 0, self.block_bytes)
+
+    def _exists(self, name: str) -> bool:
+        try:
+            self._client.head_object(Bucket=self.options.bucket, Key=name)
+        except ClientError as exc:
+            if _code(exc) in _MISSING:
+                return False
+            raise
+        return True
+
+    def contains_prefix(self, keys: Sequence[BlockKey], tenant: str = "") -> int:
+        names = [self.object_key(k, tenant) for k in keys]
+        wave = self.options.workers
+        for start in range(0, len(names), wave):
+            part = names[start : start + wave]
+            found = self._each(lambda i, p=part: self._exists(p[i]), len(part), False)  # type: ignore[misc]
+            for i, f in enumerate(found):
+                if not f:
+                    return start + i
+        return len(names)
+
+    # -- data ------------------------------------------------------------------------------
+    def _fetch(self, name: str) -> bytes | None:
+        try:
+            resp = self._client.get_object(Bucket=self.options.bucket, Key=name)
+        except ClientError as exc:
+            if _code(exc) in _MISSING:
+                return None
+            raise
+        data: bytes = resp["Body"].read()
+        return data
+
+    def get_into(
+        self, keys: Sequence[BlockKey], outs: Sequence[Array], tenant: str = ""
+    ) -> list[bool]:
+        self.check_buffers(outs, keys)
+        names = [self.object_key(k, tenant) for k in keys]
+
+        def one(i: int) -> bool:
+            value = self._fetch(names[i])
+            if value is None:
+                return False
+            if self.sealer.open_into(keys[i], value, outs[i], tenant):
+                return True
+            if self.sealer.owns(value):
+                log.warning("s3 tier: object %s failed verification: deleted", names[i])
+                self._client.delete_object(Bucket=self.options.bucket, Key=names[i])
+            return False
+
+        return self._each(one, len(keys), False)
+
+    def _upload(self, name: str, value: memoryview) -> bool:
+        """Store ``value`` unless ``name`` exists; True either way, raises on server errors."""
+        bucket = self.options.bucket
+        try:
+            if len(value) < self.multipart_threshold:
+                whole = value.obj if isinstance(value.obj, bytearray) else None
+                body = whole if whole is not None and len(whole) == len(value) else bytes(value)
+                self._client.put_object(Bucket=bucket, Key=name, Body=body, IfNoneMatch="*")
+                return True
+            upload_id = self._client.create_multipart_upload(Bucket=bucket, Key=name)["UploadId"]
+            try:
+                step = self.multipart_chunk
+                offsets = range(0, len(value), step)
+
+                def part(i: int) -> dict[str, Any]:
+                    body = value[offsets[i] : offsets[i] + step]
+                    r = self._client.upload_part(
+                        Bucket=bucket,
+                        Key=name,
+                        UploadId=upload_id,
+                        PartNumber=i + 1,
+                        Body=io.BytesIO(body),
+                    )
+                    return {"ETag": r["ETag"], "PartNumber": i + 1}
+
+                parts = list(self._parts.map(part, range(len(offsets))))
+                self._client.complete_multipart_upload(
+                    Bucket=bucket,
+                    Key=name,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                    IfNoneMatch="*",
+                )
+            except BaseException:
+                self._client.abort_multipart_upload(Bucket=bucket, Key=name, UploadId=upload_id)
+                raise
+        except ClientError as exc:
+            if _code(exc) in _EXISTS:
+                return True
+            raise
+        return True
+
+    def put(
+        self, keys: Sequence[BlockKey], blocks: Sequence[Array], tenant: str = ""
+    ) -> list[bool]:
+        self.check_buffers(blocks, keys)
+        charge = self.block_bytes if self.quotas.active else 0
+
+        def one(i: int) -> bool:
+            if charge and not self.quotas.reserve(tenant, charge):
+                return False
+            value = self.sealer.seal(keys[i], blocks[i], tenant)
+            ok = value is not None and self._upload(self.object_key(keys[i], tenant), value)
+            if not ok and charge:
+                self.quotas.release(tenant, charge)
+            return ok
+
+        return self._each(one, len(keys), False)
+
+    def delete(self, keys: Sequence[BlockKey], tenant: str = "") -> None:
+        if not keys:
+            return
+        names = [self.object_key(k, tenant) for k in keys]
+        if self.quotas.active:  # refunds need to know which were present
+            present = self._each(lambda i: self._exists(names[i]), len(names), False)
+            names = [n for n, p in zip(names, present, strict=True) if p]
+            for _ in names:
+                self.quotas.release(tenant, self.block_bytes)
+
+        def drop() -> None:
+            for start in range(0, len(names), 1000):  # DeleteObjects takes up to 1000 keys
+                objs = [{"Key": n} for n in names[start : start + 1000]]
+                self.client().delete_objects(
+                    Bucket=self.options.bucket, Delete={"Objects": objs, "Quiet": True}
+                )
+
+        if names:
+            self.breaker.call(drop, None, _ERRORS)
+
+    def keys_of(self, tenant: str) -> Iterable[str]:
+        """Object names held for ``tenant`` (a listing; for tools and tests)."""
+        pages = (
+            self.client()
+            .get_paginator("list_objects_v2")
+            .paginate(Bucket=self.options.bucket, Prefix=f"{self.prefix}/{tenant_token(tenant)}/")
+        )
+        for p in pages:
+            for obj in p.get("Contents", []):
+                yield str(obj["Key"])
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._parts.shutdown(wait=True)
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
