@@ -33,7 +33,11 @@ class EvictionPolicy(ABC, Generic[K]):
 
     @abstractmethod
     def insert(self, keys: Sequence[K]) -> None:
-        """Record newly resident keys, given in prefix order (parent first)."""
+        """Record resident keys, given in prefix order (parent first).
+
+        Keys already tracked may be included (e.g. a served request's whole chain): they count
+        as an access. The simulator calls it that way; the store may pass only new keys.
+        """
 
     @abstractmethod
     def access(self, keys: Sequence[K]) -> None:

@@ -1,0 +1,154 @@
+"""S3-FIFO (Yang et al., SOSP'23), made prefix-aware: scan- and frequency-aware eviction.
+
+Three FIFO queues: a *small* probation queue that new blocks enter, a *main* queue for blocks
+that were hit while on probation (or that come back soon after being dropped), and a *ghost*
+list of recently dropped keys (no data). Every resident key carries a 2-bit hit counter.
+Eviction takes from ``small`` while it holds more than its share: a hit block moves to ``main``,
+an unhit one is dropped (and remembered in ``ghost``). From ``main``, a hit block is reinserted
+with its counter decremented (CLOCK-like), an unhit one is dropped. So one-shot tails of long
+prompts leave quickly, and shared prefixes, hit again and again, stay.
+
+Prefix awareness: a request's chain is queued *leaf first* (the root enters last), so within one
+chain the leaf leaves the FIFO before its parent, and a parent's counter is never below its
+child's (every hit on a child is a hit on its parent too). The block-level variant
+``s3fifo-block`` queues parent first, as a plain block cache would; it drops parents before their
+children and does worse than LRU at small capacities (kept for the comparison, not for use).
+
+``insert`` accepts keys that are already resident (the served request's whole chain): those
+count as hits. Eviction work is bounded: each key is moved at most ``MAX_FREQ + 1`` times per
+eviction pass, and pinned (non-evictable) keys are rotated to the back at most once per victim.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import ClassVar
+
+from kvtier.policy.base import EvictionPolicy, K
+
+MAX_FREQ = 3
+
+
+class S3FIFO(EvictionPolicy[K]):
+    """Prefix-aware S3-FIFO. Tuned on the Mooncake trace (see ``docs/simulation.md``)."""
+
+    name = "s3fifo"
+    #: share of the capacity the probation queue may hold before eviction takes from it first
+    small_fraction: ClassVar[float] = 0.3
+    #: ghost list length as a multiple of the capacity
+    ghost_factor: ClassVar[float] = 3.0
+    #: queue a chain leaf first (prefix-aware) or parent first (block-level)
+    leaf_first: ClassVar[bool] = True
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._small: OrderedDict[K, None] = OrderedDict()
+        self._main: OrderedDict[K, None] = OrderedDict()
+        self._ghost: OrderedDict[K, None] = OrderedDict()
+        self._freq: dict[K, int] = {}
+        self._small_cap = max(1, int(capacity * self.small_fraction))
+        self._ghost_cap = max(1, int(capacity * self.ghost_factor))
+
+    def insert(self, keys: Sequence[K]) -> None:
+        freq = self._freq
+        ghost = self._ghost
+        for k in reversed(keys) if self.leaf_first else keys:
+            f = freq.get(k)
+            if f is not None:
+                if f < MAX_FREQ:
+                    freq[k] = f + 1
+            elif k in ghost:
+                del ghost[k]
+                self._main[k] = None
+                freq[k] = 0
+            else:
+                self._small[k] = None
+                freq[k] = 0
+
+    def access(self, keys: Sequence[K]) -> None:
+        freq = self._freq
+        for k in keys:
+            f = freq.get(k)
+            if f is not None and f < MAX_FREQ:
+                freq[k] = f + 1
+
+    def remove(self, key: K) -> None:
+        if self._freq.pop(key, None) is not None:
+            if key in self._small:
+                del self._small[key]
+            else:
+                del self._main[key]
+
+    def _pop_one(self, evictable: Callable[[K], bool]) -> K | None:
+        """Drop one evictable key; None when every resident key is pinned.
+
+        Pinned keys are rotated to the back of their queue, each at most once per call.
+        """
+        small, main, freq = self._small, self._main, self._freq
+        skip_small = skip_main = 0
+        while True:
+            main_open = skip_main < len(main)
+            if skip_small < len(small) and (len(small) >= self._small_cap or not main_open):
+                k, _ = small.popitem(last=False)
+                if freq[k] > 0:
+                    freq[k] = 0
+                    main[k] = None
+                    continue
+                if not evictable(k):
+                    small[k] = None
+                    skip_small += 1
+                    continue
+                del freq[k]
+                self._ghost[k] = None
+                if len(self._ghost) > self._ghost_cap:
+                    self._ghost.popitem(last=False)
+                return k
+            if not main_open:
+                return None
+            k, _ = main.popitem(last=False)
+            f = freq[k]
+            if f > 0:
+                freq[k] = f - 1
+                main[k] = None
+                continue
+            if not evictable(k):
+                main[k] = None
+                skip_main += 1
+                continue
+            del freq[k]
+            return k
+
+    def evict(self, n: int, evictable: Callable[[K], bool]) -> list[K] | None:
+        """All-or-nothing on the resident set (queue order may age during a failed attempt)."""
+        if n <= 0:
+            return []
+        if n > len(self._freq):
+            return None
+        victims: list[K] = []
+        while len(victims) < n:
+            k = self._pop_one(evictable)
+            if k is None:
+                for v in reversed(victims):  # restore: back at the front, unhit
+                    self._ghost.pop(v, None)
+                    self._freq[v] = 0
+                    self._small[v] = None
+                    self._small.move_to_end(v, last=False)
+                return None
+            victims.append(k)
+        return victims
+
+    def __len__(self) -> int:
+        return len(self._freq)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._freq
+
+
+class BlockS3FIFO(S3FIFO[K]):
+    """S3-FIFO as a plain block cache (paper defaults, parent first): the prefix-unaware baseline."""
+
+    name = "s3fifo-block"
+    small_fraction = 0.1
+    ghost_factor = 0.9
+    leaf_first = False

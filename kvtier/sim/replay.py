@@ -1,0 +1,193 @@
+"""The replay engine: a trace through a hierarchy of tiers, driving the store's own policy classes.
+
+Model (the same decisions ``TieredStore`` makes, with counters in place of a data mover):
+
+* Tiers are ordered fastest first and *exclusive*: a block lives in one tier at a time.
+* **Hit definition.** A request's cached tokens are those of the *leading run* of its blocks
+  present (in any tier) before it is served; each hit block counts ``block_tokens`` tokens except
+  the request's last block, which counts ``input_length - block_tokens * (n - 1)``.
+  ``token_hit_ratio`` = sum of cached tokens / sum of input tokens.
+* **After serving**, all of the request's blocks are resident in the first tier: blocks found in a
+  lower tier are promoted (moved up), missing ones are computed, and the policy gets
+  ``insert(chain)`` with the request's whole chain in prefix order (already-resident blocks count
+  as an access -- the policy contract allows it). A request longer than the first tier keeps only
+  its leading ``capacity`` blocks.
+* **Eviction** makes room first: ``evict(need, evictable)`` on the tier's policy with the served
+  request's blocks pinned (as the store pins in-flight blocks); victims are demoted to the next
+  tier (in prefix order), whose policy makes room the same way with ``always``; the last tier drops.
+
+Keys are the trace's int block ids; policies are the generic ``kvtier.policy`` classes (plus the
+offline ``belady``). The per-request hit tokens by tier are kept so the cost model can price
+fetch-vs-recompute and TTFT without replaying again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier.errors import ConfigError
+from kvtier.policy import POLICIES, EvictionPolicy, make_policy
+from kvtier.policy.base import always
+from kvtier.sim.belady import Belady, FutureOracle
+from kvtier.sim.trace import Trace
+
+SIM_POLICIES = (*sorted(POLICIES), "belady")
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    """One simulated tier: a name (``hbm``, ``dram`` ...), its size in blocks, its policy."""
+
+    name: str
+    capacity_blocks: int
+    policy: str
+
+    def __post_init__(self) -> None:
+        if self.capacity_blocks < 0:
+            raise ConfigError(f"tier {self.name!r}: capacity must be >= 0 blocks")
+        if self.policy.lower() not in SIM_POLICIES:
+            raise ConfigError(
+                f"unknown policy {self.policy!r}; choose one of {', '.join(SIM_POLICIES)}"
+            )
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    """Counters of one replay. Arrays are indexed ``[tier, request]``; blocks are counts."""
+
+    tiers: tuple[TierSpec, ...]
+    hit_tokens: npt.NDArray[np.int64]  # [tier, request] cached tokens served from that tier
+    input_tokens: npt.NDArray[np.int64]  # [request]
+    promoted_blocks: list[int] = field(default_factory=list)  # read out of tier t (t > 0)
+    written_blocks: list[int] = field(default_factory=list)  # inserted or demoted into tier t
+    evicted_blocks: list[int] = field(default_factory=list)  # evicted out of tier t
+    block_hits: int = 0  # leading-run hit blocks, all tiers
+    block_refs: int = 0  # block references in the trace
+
+    @property
+    def token_hit_ratio(self) -> float:
+        total = int(self.input_tokens.sum())
+        return float(self.hit_tokens.sum()) / total if total else 0.0
+
+    def tier_hit_ratio(self, t: int) -> float:
+        total = int(self.input_tokens.sum())
+        return float(self.hit_tokens[t].sum()) / total if total else 0.0
+
+
+def _build_policy(spec: TierSpec, oracle: FutureOracle | None) -> EvictionPolicy[int]:
+    if spec.policy.lower() == "belady":
+        assert oracle is not None
+        return Belady(spec.capacity_blocks, oracle)
+    pol: EvictionPolicy[int] = make_policy(spec.policy, spec.capacity_blocks)  # type: ignore[assignment]
+    return pol
+
+
+def replay(
+    trace: Trace,
+    tiers: Sequence[TierSpec],
+    progress: Callable[[int], None] | None = None,
+) -> ReplayResult:
+    """Replay ``trace`` through ``tiers`` (fastest first). Pure: builds fresh policies each call.
+
+    ``progress(i)`` is called every 256 requests with the number served so far.
+    """
+    if not tiers:
+        raise ConfigError("simulate: give at least one tier")
+    specs = tuple(tiers)
+    n_tiers = len(specs)
+    oracle = FutureOracle(trace) if any(s.policy.lower() == "belady" for s in specs) else None
+    pols = [_build_policy(s, oracle) for s in specs]
+    caps = [s.capacity_blocks for s in specs]
+    where: dict[int, int] = {}
+    bt = trace.block_tokens
+    n_req = len(trace.requests)
+    hits = [[0] * n_req for _ in range(n_tiers)]
+    promoted = [0] * n_tiers
+    written = [0] * n_tiers
+    evicted = [0] * n_tiers
+    block_hits = 0
+    refs = 0
+
+    def admit(t: int, keys: list[int], chain: Sequence[int] = ()) -> None:
+        """Make ``keys`` resident in tier ``t``, demoting victims further down.
+
+        ``chain`` (first tier only) is the served request's chain: its blocks are pinned while
+        room is made, and the policy is told about the whole chain in prefix order.
+        """
+        cap = caps[t]
+        if len(keys) > cap:
+            keys = keys[:cap]
+        if not keys:
+            return
+        pol = pols[t]
+        need = len(pol) + len(keys) - cap
+        victims: list[int] | None = None
+        if need > 0:
+            victims = pol.evict(need, _not_in(chain) if chain else always)
+            assert victims is not None, "policy refused to evict unpinned blocks"
+            for v in victims:
+                del where[v]
+            evicted[t] += len(victims)
+        pol.insert(chain or keys)
+        for k in keys:
+            where[k] = t
+        written[t] += len(keys)
+        if victims and t + 1 < n_tiers:
+            victims.reverse()  # policies give leaf-first victims; tiers take prefix order
+            admit(t + 1, victims)
+
+    cap0 = caps[0]
+    get = where.get
+    for i, req in enumerate(trace.requests):
+        blocks = req.blocks
+        n = len(blocks)
+        refs += n
+        # leading run of present blocks, tokens credited to the tier that holds each one
+        j = 0
+        while j < n:
+            t = get(blocks[j])
+            if t is None:
+                break
+            hits[t][i] += bt if j < n - 1 else req.input_length - bt * (n - 1)
+            j += 1
+        block_hits += j
+        if oracle is not None:
+            oracle.advance(i, blocks)
+        chain = blocks if n <= cap0 else blocks[:cap0]
+        new: list[int] = []
+        for k in chain:
+            t = get(k)
+            if t != 0:
+                if t is not None:  # promote: exclusive tiers, the block moves up
+                    pols[t].remove(k)
+                    del where[k]
+                    promoted[t] += 1
+                new.append(k)
+        if new:
+            admit(0, new, chain)
+        else:
+            pols[0].insert(chain)  # all resident: the whole chain counts as accessed
+        if progress is not None and i & 255 == 255:
+            progress(i + 1)
+    if progress is not None:
+        progress(n_req)
+    return ReplayResult(
+        tiers=specs,
+        hit_tokens=np.array(hits, dtype=np.int64).reshape(n_tiers, n_req),
+        input_tokens=np.array([r.input_length for r in trace.requests], dtype=np.int64),
+        promoted_blocks=promoted,
+        written_blocks=written,
+        evicted_blocks=evicted,
+        block_hits=block_hits,
+        block_refs=refs,
+    )
+
+
+def _not_in(chain: tuple[int, ...]) -> Callable[[int], bool]:
+    """``evictable`` predicate pinning the blocks of the request being served."""
+    pinned = set(chain)
+    return lambda k: k not in pinned
