@@ -11,7 +11,7 @@ from collections.abc import Hashable
 from kvtier.errors import ConfigError
 from kvtier.policy.base import EvictionPolicy
 from kvtier.policy.lru import LRU
-from kvtier.policy.s3fifo import BlockS3FIFO, S3FIFO
+from kvtier.policy.s3fifo import S3FIFO, BlockS3FIFO
 
 POLICIES: dict[str, type[EvictionPolicy[Hashable]]] = {
     LRU.name: LRU,

@@ -146,7 +146,7 @@ class S3FIFO(EvictionPolicy[K]):
 
 
 class BlockS3FIFO(S3FIFO[K]):
-    """S3-FIFO as a plain block cache (paper defaults, parent first): the prefix-unaware baseline."""
+    """S3-FIFO as a plain block cache (paper defaults, parent first): prefix-unaware baseline."""
 
     name = "s3fifo-block"
     small_fraction = 0.1

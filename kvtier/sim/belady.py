@@ -56,7 +56,7 @@ class FutureOracle:
 
 
 class Belady(EvictionPolicy[int]):
-    """Offline MIN for int block ids; needs the :class:`FutureOracle` of the trace being replayed."""
+    """Offline MIN for int block ids; needs the replayed trace's :class:`FutureOracle`."""
 
     name = "belady"
 

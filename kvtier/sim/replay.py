@@ -187,7 +187,7 @@ def replay(
     )
 
 
-def _not_in(chain: tuple[int, ...]) -> Callable[[int], bool]:
+def _not_in(chain: Sequence[int]) -> Callable[[int], bool]:
     """``evictable`` predicate pinning the blocks of the request being served."""
     pinned = set(chain)
     return lambda k: k not in pinned
