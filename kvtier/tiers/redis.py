@@ -326,7 +326,7 @@ class RedisTier(Tier):
                     continue
                 ok = self.sealer.open_into(keys[i], value, outs[i], tenant)
                 result[i] = ok
-                if not ok and self.sealer.owns(value):
+                if not ok and self.sealer.droppable(value):
                     log.warning("redis tier: block %s failed verification: dropped", name)
                     bad.append(name)
         if bad:
@@ -341,8 +341,14 @@ class RedisTier(Tier):
         result = [False] * len(keys)
         charge = self.block_bytes if self.quotas.active else 0
         for chunk in self._chunks(len(keys)):
+            present = self._present(keys, chunk, tenant) if charge else set()
+            if present is None:
+                break  # server down: nothing stored
             batch: list[tuple[int, str, memoryview]] = []
             for i in chunk:
+                if i in present:  # kept as it is, and not charged again
+                    result[i] = True
+                    continue
                 if charge and not self.quotas.reserve(tenant, charge):
                     continue
                 value = self.sealer.seal(keys[i], blocks[i], tenant)
@@ -366,6 +372,18 @@ class RedisTier(Tier):
                 if charge and not stored:
                     self.quotas.release(tenant, charge)
         return result
+
+    def _present(self, keys: Sequence[BlockKey], chunk: range, tenant: str) -> set[int] | None:
+        """Indices in ``chunk`` whose keys exist (one pipeline); ``None`` if the server failed."""
+        names = [self.redis_key(keys[i], tenant) for i in chunk]
+
+        def probe() -> set[int] | None:
+            pipe = self._pipeline()
+            for n in names:
+                pipe.exists(n)
+            return {i for i, f in zip(chunk, pipe.execute(), strict=True) if f}
+
+        return self.breaker.call(probe, None, _ERRORS)
 
     def _delete_names(self, names: list[str]) -> list[int]:
         pipe = self._pipeline()

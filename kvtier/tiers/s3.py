@@ -311,7 +311,7 @@ class S3Tier(Tier):
                 return False
             if self.sealer.open_into(keys[i], value, outs[i], tenant):
                 return True
-            if self.sealer.owns(value):
+            if self.sealer.droppable(value):
                 log.warning("s3 tier: object %s failed verification: deleted", names[i])
                 self._client.delete_object(Bucket=self.options.bucket, Key=names[i])
             return False
@@ -367,6 +367,8 @@ class S3Tier(Tier):
         charge = self.block_bytes if self.quotas.active else 0
 
         def one(i: int) -> bool:
+            if charge and self._exists(self.object_key(keys[i], tenant)):
+                return True  # kept as it is, and not charged again
             if charge and not self.quotas.reserve(tenant, charge):
                 return False
             value = self.sealer.seal(keys[i], blocks[i], tenant)

@@ -166,18 +166,20 @@ class BlockSealer:
         )
         return memoryview(buf)
 
-    def owns(self, value: bytes | bytearray | memoryview) -> bool:
-        """True unless ``value`` is a kvtier block framed under the *other* encryption setting.
+    def droppable(self, value: bytes | bytearray | memoryview) -> bool:
+        """May a tier delete ``value`` after ``open_into`` rejected it?
 
-        A failed ``open_into`` on a value this sealer owns means corruption or tampering (the
-        tier may drop it); on one it does not own, a differently configured reader (a node
-        without the key) must leave it alone.
+        Yes for garbage and for plaintext blocks failing their checksum (corruption). No for
+        encrypted blocks failing authentication: GCM cannot tell tampering from a reader holding
+        another key (a misconfigured node), and such a node must not wipe the pool; the block
+        stays a miss until it expires or is evicted. No for a plaintext block read by an
+        encrypting sealer, for the same reason.
         """
         mv = memoryview(value)
         hdr = (
             codec.unpack_header(mv[: codec.HEADER_BYTES]) if len(mv) >= codec.HEADER_BYTES else None
         )
-        return hdr is None or bool(hdr.flags & codec.FLAG_ENCRYPTED) == self.encrypted
+        return hdr is None or not (self.encrypted or hdr.flags & codec.FLAG_ENCRYPTED)
 
     def open_into(
         self, key: BlockKey, value: bytes | bytearray | memoryview, out: Array, tenant: str
