@@ -1,0 +1,115 @@
+"""A length-invariant attention kernel, so a cached prefix gives bit-identical outputs.
+
+Why it exists (measured on CPU, fp32, torch 2.13 / MKL, transformers 5.24): with the stock
+``sdpa`` and ``eager`` attention, the attention output of token ``i`` depends in its last bits on
+how many *other* tokens were in the same forward pass. Eager's ``softmax(QK^T) @ V`` reduces over
+the whole key length (masked keys contribute exact zeros, but the GEMM's blocking of that reduction
+changes with its length); SDPA's flash kernel picks its key/query split sizes from the sequence
+lengths. The KV of a prefix computed in an earlier, shorter request then differs by ~1 ulp from
+the KV a single full forward computes, and logits differ by ~3e-7 -- not bit-identical.
+
+``exact_attention`` removes that dependence: scores are computed per query chunk against all keys
+(each score is one dot product over ``head_dim``, independent of the key count), the softmax
+reduces lane-wise from key 0 (masked keys add exact zeros), and ``P @ V`` is summed over key
+chunks of exactly ``KEY_CHUNK`` keys *aligned at absolute positions*, the last one zero-padded to
+full size, accumulated in order. So every token's output is the same sequence of floating-point
+operations whatever else is in the batch, and chunks entirely in a row's future are skipped (they
+would add exact zeros). What remains is the GEMM kernel choice by row count: MKL computes rows of
+a matrix with fewer than 12 rows by another kernel, so the integration always recomputes at least
+``MIN_EXACT_ROWS`` tokens (see ``kvtier.integrations.hf``).
+
+Contract: batch of 1 sequence without padding (the integration's case); the queries are the last
+``q_len`` positions of the keys; the attention mask argument is ignored (causal by position).
+Cost: like eager attention per query chunk, memory ``O(QUERY_CHUNK x keys)`` per head.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+NAME = "kvtier_exact"
+KEY_CHUNK = 256
+QUERY_CHUNK = 512
+MIN_EXACT_ROWS = 16  # row counts below 12 use other MKL kernels; 16 leaves margin
+
+_registered = False
+
+
+def exact_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention, bitwise independent of the number of tokens in the pass.
+
+    ``query`` [1, heads, q, d], ``key``/``value`` [1, kv_heads, k, d] (k >= q). Returns the output
+    as [1, q, heads, d] (the layout transformers' attention functions return) and no weights.
+    """
+    b, heads, q_len, d = query.shape
+    kv_heads, k_len = key.shape[1], key.shape[2]
+    if b != 1:
+        raise ValueError(f"{NAME} attention supports one sequence per call, got batch {b}")
+    groups = heads // kv_heads
+    scale = float(scaling) if scaling is not None else d**-0.5
+    past = k_len - q_len
+    n_chunks = -(-k_len // KEY_CHUNK)
+    pad = n_chunks * KEY_CHUNK - k_len
+    vpad = torch.nn.functional.pad(value, (0, 0, 0, pad)) if pad else value
+    # GQA without copying K/V: the query heads of one KV head become extra rows.
+    qg = query.reshape(b, kv_heads, groups, q_len, d)
+    out = torch.empty(b, kv_heads, groups, q_len, d, dtype=query.dtype, device=query.device)
+    kpos = torch.arange(n_chunks * KEY_CHUNK, device=query.device)
+    for lo, hi in _query_chunks(q_len):
+        rows = qg[:, :, :, lo:hi].reshape(b, kv_heads, groups * (hi - lo), d)
+        last = past + hi - 1  # absolute position of the chunk's last query
+        used = min(n_chunks, last // KEY_CHUNK + 1)
+        width = used * KEY_CHUNK
+        keys = key[:, :, : min(width, k_len)]
+        scores = torch.matmul(rows, keys.transpose(-1, -2)) * scale
+        if keys.shape[2] < width:
+            scores = torch.nn.functional.pad(scores, (0, width - keys.shape[2]), value=-torch.inf)
+        qpos = torch.arange(past + lo, past + hi, device=query.device).repeat(groups)
+        future = kpos[:width].unsqueeze(0) > qpos.unsqueeze(1)
+        scores = scores.masked_fill(future, -torch.inf)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        acc = torch.matmul(probs[..., :KEY_CHUNK], vpad[:, :, :KEY_CHUNK])
+        for j in range(1, used):
+            s = slice(j * KEY_CHUNK, (j + 1) * KEY_CHUNK)
+            acc = acc + torch.matmul(probs[..., s], vpad[:, :, s])
+        out[:, :, :, lo:hi] = acc.reshape(b, kv_heads, groups, hi - lo, d)
+    return out.reshape(b, heads, q_len, d).transpose(1, 2).contiguous(), None
+
+
+def _query_chunks(q_len: int) -> list[tuple[int, int]]:
+    """Split ``q_len`` rows into chunks of ``QUERY_CHUNK``; a short tail joins the previous chunk
+    so that no chunk has fewer than ``MIN_EXACT_ROWS`` rows unless the whole pass does."""
+    bounds = list(range(0, q_len, QUERY_CHUNK)) + [q_len]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] < MIN_EXACT_ROWS:
+        del bounds[-2]
+    return list(itertools.pairwise(bounds))
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """Mask builder for ``NAME``: the kernel is causal by position, it needs no mask tensor."""
+    return None
+
+
+def register() -> str:
+    """Register the kernel with transformers (idempotent); return its attention name."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+
+        AttentionInterface.register(NAME, exact_attention)
+        AttentionMaskInterface.register(NAME, _no_mask)
+        _registered = True
+    return NAME

@@ -1,0 +1,249 @@
+"""HuggingFace transformers integration: reuse cached prefixes in a causal LM's forward pass.
+
+The only kvtier code (with ``hf_cache``, ``models`` and ``exact_attention`` beside it) that knows
+transformers. For one sequence at a time (batch 1, no padding):
+
+1. ``load_prefix``: ask the store for the longest cached prefix (``store.lookup``), load its KV
+   with ``store.load`` into a host buffer (pinned for CUDA) and from there into the model's own
+   cache object (``DynamicCache`` of the installed transformers version).
+2. ``prefill``: run the forward pass only on the tokens after the reused prefix; positions follow
+   from the cache length. Then store the prompt's new full blocks.
+3. ``generate_with_cache``: greedy decoding after ``prefill``; the generated tokens' full blocks
+   are stored afterwards, off the time-to-first-token path.
+
+At least one token is always recomputed, because the logits of the last prompt token are what
+generation needs and the cache holds KV, not logits. More precisely ``min_recompute`` tokens are
+(default ``MIN_RECOMPUTE`` = 16): when the whole prompt is cached, the cache is cropped so that
+the last 16 prompt tokens run again. The reason is bit-identity: MKL computes a matrix product
+of fewer than 12 rows with different kernels than a long one, so recomputing only 1..11 tokens
+gives logits that differ by ~1e-7 from a single full forward. The same holds for KV written by
+decode steps (one row each): with ``store_generated="exact"`` (the default) the generated tokens
+are run once more as one multi-row pass before their blocks are stored, so a later prompt that
+contains this answer gets exactly the KV a full forward would compute. ``"decode"`` stores the
+decode-step KV as is (no extra compute; later outputs may differ in the last bits), ``"none"``
+stores only prompt blocks.
+
+Bit-identity also needs the ``kvtier_exact`` attention (the default of
+``kvtier.integrations.models``): with stock ``sdpa``/``eager`` a token's KV depends in its last
+bits on the length of the pass that computed it. With those kernels everything works, the
+outputs are merely not bit-identical (relative error ~1e-7).
+
+A foreign, corrupt or lost block is a miss in the store; the forward pass then recomputes from
+there, so the output is right whatever the store returns. The model's layout is checked against
+the store's at every entry (``LayoutError`` on a mismatch) before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from kvtier.errors import ConfigError, TokenError
+from kvtier.integrations import hf_cache
+from kvtier.keys import as_tokens
+
+MIN_RECOMPUTE = 16
+StoreGenerated = Literal["exact", "decode", "none"]
+Tokens = np.ndarray[Any, np.dtype[np.uint32]]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixLoad:
+    """A cache filled from the store: ``n_reused`` tokens of KV in ``cache``."""
+
+    cache: DynamicCache
+    n_cached: int  # leading tokens the store held (multiple of block_tokens)
+    n_reused: int  # tokens placed in the cache (<= n_cached, <= prompt - min_recompute)
+    sources: tuple[str, ...]  # tier name of each loaded block, fastest first
+    load_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """Result of ``generate_with_cache`` / ``generate_reference``."""
+
+    tokens: list[int]  # generated token ids
+    logits: torch.Tensor  # [len(tokens), vocab] logits that chose each token (on CPU)
+    ttft_s: float  # call start -> logits of the first generated token
+    n_cached: int = 0
+    n_reused: int = 0
+    sources: tuple[str, ...] = ()
+    load_s: float = 0.0
+    stored_tokens: int = 0  # tokens written to the store (prompt and generated blocks)
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def input_tensor(model: Any, input_ids: Any) -> tuple[torch.Tensor, Tokens]:
+    """``input_ids`` as a [1, T] int64 tensor on the model's device, and as store tokens.
+
+    Accepts a 1-D sequence or a [1, T] tensor/array of integer ids on any device (converted).
+    Raises ``TokenError`` for floats, several sequences, an empty prompt or ids outside the
+    vocabulary.
+    """
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise TokenError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+        if input_ids.dim() == 2 and input_ids.shape[0] != 1:
+            raise TokenError(
+                f"input_ids has a batch of {input_ids.shape[0]}; kvtier runs one sequence per call"
+            )
+        input_ids = input_ids.detach().cpu()
+    tokens = as_tokens(input_ids)
+    if len(tokens) == 0:
+        raise TokenError("input_ids is empty; the prompt needs at least one token")
+    vocab = int(model.config.get_text_config(decoder=True).vocab_size)
+    if int(tokens.max()) >= vocab:
+        raise TokenError(f"token id {int(tokens.max())} is outside the vocabulary ({vocab})")
+    ids = torch.from_numpy(tokens.astype(np.int64)).unsqueeze(0)
+    return ids.to(hf_cache.model_device(model)), tokens
+
+
+def load_prefix(
+    model: Any,
+    store: Any,
+    input_ids: Any,
+    *,
+    min_recompute: int = MIN_RECOMPUTE,
+    tenant: str | None = None,
+) -> PrefixLoad:
+    """Load the longest cached prefix of ``input_ids`` into a fresh cache of ``model``.
+
+    Reuses at most ``len(input_ids) - min_recompute`` tokens (see the module docs). Does not run
+    the model and does not modify the store's contents (the store may promote what it served).
+    Raises ``LayoutError`` if the store's layout does not match the model.
+    """
+    if min_recompute < 1:
+        raise ConfigError(f"min_recompute must be >= 1 (the last logits), got {min_recompute}")
+    layout = store.layout
+    hf_cache.check_layout(model, layout)
+    _, tokens = input_tensor(model, input_ids)
+    t0 = time.perf_counter()
+    limit = max(0, len(tokens) - min_recompute)
+    n_cached = store.lookup(tokens, tenant) if limit else 0
+    want = min(n_cached, limit)
+    if want == 0:
+        return PrefixLoad(hf_cache.new_cache(model), n_cached, 0, (), time.perf_counter() - t0)
+    bt = layout.block_tokens
+    span = -(-want // bt) * bt  # whole blocks covering the tokens we reuse
+    sources = tuple(store.locate(tokens[:span], tenant))
+    pin = hf_cache.model_device(model).type == "cuda"
+    buf, view = hf_cache.host_buffer(layout, span, pin=pin)
+    got = store.load(tokens[:span], view, tenant)
+    n_reused = min(got, want)  # a block lost or corrupt since lookup is a miss: reuse less
+    cache = hf_cache.cache_from_kv(model, buf, n_reused)
+    return PrefixLoad(
+        cache, n_cached, n_reused, sources[: -(-n_reused // bt)], time.perf_counter() - t0
+    )
+
+
+def store_cache(
+    store: Any, input_ids: Any, cache: DynamicCache, *, tenant: str | None = None
+) -> int:
+    """Store every full block of the tokens ``cache`` holds for ``input_ids``; return the tokens
+    written (blocks already cached are skipped by the store). Never raises on I/O problems."""
+    if isinstance(input_ids, torch.Tensor):
+        input_ids = input_ids.detach().cpu()
+    tokens = as_tokens(input_ids)
+    bt = store.layout.block_tokens
+    n = min(len(tokens), hf_cache.cache_length(cache)) // bt * bt
+    if n == 0:
+        return 0
+    kv = hf_cache.kv_from_cache(cache, 0, n)
+    return int(store.store(tokens[:n], hf_cache.as_numpy(kv, store.layout), tenant))
+
+
+@torch.inference_mode()
+def generate_with_cache(
+    model: Any,
+    store: Any,
+    input_ids: Any,
+    max_new_tokens: int,
+    *,
+    eos_token_id: int | None = None,
+    store_generated: StoreGenerated = "exact",
+    min_recompute: int = MIN_RECOMPUTE,
+    tenant: str | None = None,
+) -> Generation:
+    """Greedy generation reusing the store's cached prefix of ``input_ids``.
+
+    Stores the prompt's new full blocks after the first token is produced, and the generated
+    tokens' blocks at the end (``store_generated``, see the module docs). Logits and tokens are
+    bit-identical to ``generate_reference`` on CPU fp32 with ``kvtier_exact`` attention.
+    """
+    if store_generated not in ("exact", "decode", "none"):
+        raise ConfigError(f"store_generated must be exact, decode or none, got {store_generated!r}")
+    t0 = time.perf_counter()
+    ids, tokens = input_tensor(model, input_ids)
+    pre = load_prefix(model, store, tokens, min_recompute=min_recompute, tenant=tenant)
+    cache = pre.cache
+    out = model(ids[:, pre.n_reused :], cache=cache, use_cache=True, logits_to_keep=1)
+    first = out.logits[0, -1]
+    _sync(first)
+    ttft = time.perf_counter() - t0
+    stored = store_cache(store, tokens, cache, tenant=tenant)
+    gen, logits = _decode(model, cache, first, max_new_tokens, eos_token_id)
+    if store_generated != "none" and len(gen) > 1:
+        seq = np.concatenate([tokens, np.asarray(gen[:-1], dtype=np.uint32)])
+        if store_generated == "exact":
+            bt = store.layout.block_tokens
+            _recompute_tail(model, cache, seq, len(tokens), bt, min_recompute)
+        stored += store_cache(store, seq, cache, tenant=tenant)
+    return Generation(
+        gen, logits, ttft, pre.n_cached, pre.n_reused, pre.sources, pre.load_s, stored
+    )
+
+
+@torch.inference_mode()
+def generate_reference(
+    model: Any, input_ids: Any, max_new_tokens: int, *, eos_token_id: int | None = None
+) -> Generation:
+    """Plain greedy generation without kvtier: one forward over the whole prompt, then one
+    decode step per token -- what ``model.generate(do_sample=False)`` computes."""
+    t0 = time.perf_counter()
+    ids, _ = input_tensor(model, input_ids)
+    cache = hf_cache.new_cache(model)
+    first = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+    _sync(first)
+    ttft = time.perf_counter() - t0
+    gen, logits = _decode(model, cache, first, max_new_tokens, eos_token_id)
+    return Generation(gen, logits, ttft)
+
+
+def _decode(
+    model: Any, cache: DynamicCache, first: torch.Tensor, max_new: int, eos: int | None
+) -> tuple[list[int], torch.Tensor]:
+    if max_new < 1:
+        raise ConfigError(f"max_new_tokens must be >= 1, got {max_new}")
+    logits = [first]
+    gen = [int(first.argmax())]
+    while len(gen) < max_new and gen[-1] != eos:
+        step = torch.tensor([[gen[-1]]], device=first.device)
+        nxt = model(step, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        logits.append(nxt)
+        gen.append(int(nxt.argmax()))
+    return gen, torch.stack(logits).cpu()
+
+
+def _recompute_tail(
+    model: Any, cache: DynamicCache, seq: Tokens, n_prompt: int, bt: int, min_rows: int
+) -> None:
+    """Re-run the generated part of ``seq`` as one multi-row pass so its KV is what a full
+    forward computes (decode steps compute one row at a time, with other kernels)."""
+    end = len(seq) // bt * bt
+    start = n_prompt // bt * bt
+    if end <= start:
+        return
+    start = max(0, min(start, len(seq) - min_rows))
+    hf_cache.crop(cache, start)
+    ids = torch.from_numpy(seq[start:].astype(np.int64)).unsqueeze(0)
+    model(ids.to(hf_cache.model_device(model)), cache=cache, use_cache=True, logits_to_keep=1)
+
+
+def _sync(t: torch.Tensor) -> None:
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)

@@ -1,0 +1,188 @@
+"""HF transformers integration: a cached prefix gives exactly the output of a plain run.
+
+A tiny random model (4 layers, hidden 128, GQA 4:2) on CPU in fp32; blocks of 16 tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from kvtier.errors import LayoutError, TokenError  # noqa: E402
+from kvtier.integrations import hf, hf_cache  # noqa: E402
+from kvtier.integrations.models import ARCHITECTURES, ModelSpec, random_model  # noqa: E402
+from kvtier.layout import KVLayout  # noqa: E402
+from kvtier.store import TieredStore  # noqa: E402
+from kvtier.tiers.host import HostTier  # noqa: E402
+from kvtier.tiers.nvme import NVMeTier  # noqa: E402
+from kvtier.tiers.nvme_index import SLOTS_FILE, slot_bytes_for  # noqa: E402
+
+BT = 16
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return random_model(ModelSpec(arch="llama", seed=1))
+
+
+def prompt(n: int, seed: int) -> np.ndarray[Any, Any]:
+    return np.random.default_rng(seed).integers(0, 1024, n).astype(np.int64)
+
+
+def host_store(model: Any) -> TieredStore:
+    layout = hf_cache.model_layout(model, BT)
+    return TieredStore(layout, [HostTier(layout, 64 * layout.block_bytes)])
+
+
+def nvme_store(model: Any, path: Path) -> TieredStore:
+    layout = hf_cache.model_layout(model, BT)
+    return TieredStore(layout, [NVMeTier(layout, [path], 64 * layout.block_bytes, workers=2)])
+
+
+def assert_same(got: hf.Generation, ref: hf.Generation) -> None:
+    assert got.tokens == ref.tokens
+    assert torch.equal(got.logits, ref.logits), (got.logits - ref.logits).abs().max()
+
+
+def test_cache_round_trip_each_architecture() -> None:
+    for arch in ARCHITECTURES:
+        m = random_model(ModelSpec(arch=arch, layers=2, hidden=64, heads=4, kv_heads=2))
+        cache = hf_cache.new_cache(m)
+        with torch.inference_mode():
+            m(torch.tensor([list(range(40))]), cache=cache, use_cache=True)
+        kv = hf_cache.kv_from_cache(cache, 0, 40)
+        assert kv.shape == (2, 2, 40, 2, 16)
+        back = hf_cache.cache_from_kv(m, kv, 32)
+        for a, b in zip(cache.layers, back.layers, strict=True):
+            assert torch.equal(a.keys[:, :, :32], b.keys)
+            assert torch.equal(a.values[:, :, :32], b.values)
+        assert torch.equal(hf_cache.kv_from_cache(back, 16, 32), kv[:, :, 16:32])
+
+
+def test_layout_mismatch_is_rejected_at_setup(model: Any) -> None:
+    wrong = KVLayout(layers=4, kv_heads=4, head_dim=32, dtype="float32", block_tokens=BT)
+    store = TieredStore(wrong, [HostTier(wrong, 8 * wrong.block_bytes)])
+    with store, pytest.raises(LayoutError, match="kv_heads: model 2 vs store 4"):
+        hf.generate_with_cache(model, store, prompt(40, 0), 2)
+
+
+def test_input_ids_are_converted_or_rejected(model: Any) -> None:
+    ids, toks = hf.input_tensor(model, torch.tensor([[5, 6, 7]], dtype=torch.int32))
+    assert ids.dtype == torch.int64 and ids.shape == (1, 3) and list(toks) == [5, 6, 7]
+    with pytest.raises(TokenError, match="integer"):
+        hf.input_tensor(model, torch.tensor([[1.0, 2.0]]))
+    with pytest.raises(TokenError, match="batch of 2"):
+        hf.input_tensor(model, torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(TokenError, match="vocabulary"):
+        hf.input_tensor(model, [1, 5000])
+    with pytest.raises(TokenError, match="empty"):
+        hf.input_tensor(model, [])
+
+
+def test_reference_matches_transformers_generate(model: Any) -> None:
+    ids = prompt(37, 3)
+    ref = hf.generate_reference(model, ids, NEW)
+    out = model.generate(
+        torch.from_numpy(ids)[None],
+        max_new_tokens=NEW,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    assert out.sequences[0, len(ids) :].tolist() == ref.tokens
+    assert torch.equal(torch.stack([x[0] for x in out.logits]), ref.logits)
+
+
+def test_multi_turn_from_host_is_bit_identical(model: Any) -> None:
+    with host_store(model) as store:
+        turn1 = prompt(75, 4)
+        got1 = hf.generate_with_cache(model, store, turn1, NEW)
+        assert got1.n_reused == 0
+        assert_same(got1, hf.generate_reference(model, turn1, NEW))
+        # the next turn: the whole conversation so far plus a new user message
+        turn2 = np.concatenate([turn1, got1.tokens, prompt(30, 5)])
+        got2 = hf.generate_with_cache(model, store, turn2, NEW)
+        assert got2.n_reused == 80  # 5 blocks: the prompt's 4 and one holding generated tokens
+        assert set(got2.sources) == {"host"}
+        assert_same(got2, hf.generate_reference(model, turn2, NEW))
+
+
+def test_fully_cached_prompt_still_recomputes_the_tail(model: Any) -> None:
+    ids = prompt(64, 6)  # ends on a block boundary
+    with host_store(model) as store:
+        hf.generate_with_cache(model, store, ids, 1)
+        assert store.lookup(ids) == 64
+        got = hf.generate_with_cache(model, store, ids, NEW)
+    assert got.n_cached == 64 and got.n_reused == 64 - hf.MIN_RECOMPUTE
+    assert_same(got, hf.generate_reference(model, ids, NEW))
+
+
+def test_nvme_restart_and_corruption(model: Any, tmp_path: Path) -> None:
+    ids = prompt(100, 7)
+    ref = hf.generate_reference(model, ids, NEW)
+    with nvme_store(model, tmp_path) as store:
+        hf.generate_with_cache(model, store, ids[:90], 1)
+        got = hf.generate_with_cache(model, store, ids, NEW)
+        assert got.n_reused == 80 and set(got.sources) == {"nvme"}
+        assert_same(got, ref)
+    with nvme_store(model, tmp_path) as store:  # a new process's store over the same directory
+        assert store.lookup(ids) == 96
+        got = hf.generate_with_cache(model, store, ids, NEW, store_generated="none")
+        assert got.n_reused == 84 and set(got.sources) == {"nvme"}
+        assert_same(got, ref)
+    layout = hf_cache.model_layout(model, BT)
+    slot = slot_bytes_for(layout.block_bytes)
+    with open(tmp_path / SLOTS_FILE, "r+b") as f:  # flip payload bytes of every stored slot
+        for i in range(8):
+            f.seek(i * slot + 64 + 100)
+            f.write(b"\xff\x7f\x00\x01")
+    with nvme_store(model, tmp_path) as store:
+        got = hf.generate_with_cache(model, store, ids, NEW, store_generated="none")
+        assert got.n_reused < 84
+        assert_same(got, ref)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
+def test_other_architectures_are_bit_identical(arch: str) -> None:
+    m = random_model(ModelSpec(arch=arch, layers=2, hidden=64, heads=4, kv_heads=2, seed=2))
+    ids = prompt(70, 8)
+    with host_store(m) as store:
+        hf.generate_with_cache(m, store, ids[:50], 1)
+        got = hf.generate_with_cache(m, store, ids, 4)
+    assert got.n_reused == 48
+    assert_same(got, hf.generate_reference(m, ids, 4))
+
+
+def test_stock_sdpa_reuses_the_prefix_within_rounding() -> None:
+    m = random_model(ModelSpec(seed=3), attn="sdpa")
+    ids = prompt(90, 9)
+    with host_store(m) as store:
+        hf.generate_with_cache(m, store, ids[:70], 1)
+        got = hf.generate_with_cache(m, store, ids, 3)
+    ref = hf.generate_reference(m, ids, 3)
+    assert got.n_reused == 64
+    assert torch.allclose(got.logits, ref.logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_path_matches_reference() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    m = random_model(ModelSpec(seed=4), device="cuda")
+    ids = torch.from_numpy(prompt(120, 10))  # on the CPU: converted to the model's device
+    with host_store(m) as store:
+        first = hf.generate_with_cache(m, store, ids[:100], 1)
+        assert first.n_reused == 0
+        got = hf.generate_with_cache(m, store, ids, NEW)
+    ref = hf.generate_reference(m, ids.cuda(), NEW)
+    assert got.n_reused == 96
+    assert got.tokens == ref.tokens
+    assert torch.allclose(got.logits, ref.logits, rtol=0, atol=1e-4)
