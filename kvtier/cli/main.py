@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kvtier.cli.bench",
         "benchmarks against the physical limit, measured in the same run",
     ),
+    "simulate": ("kvtier.cli.simulate", "replay a trace through tiers: hit ratio, TTFT, cost"),
     "check": ("kvtier.cli.check", "verify an NVMe tier directory: ok/torn/orphan/foreign slots"),
 }
 

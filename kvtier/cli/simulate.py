@@ -1,0 +1,150 @@
+"""``kvtier simulate``: replay a trace through a tier hierarchy and price it.
+
+kvtier simulate --trace mooncake.jsonl --model Llama-3.1-70B --tier hbm=80GB --tier dram=1TB
+kvtier simulate --trace mooncake.jsonl --capacity-blocks 10000 --policy belady --json
+kvtier simulate --trace mooncake.jsonl --sweep --plot out/
+kvtier simulate --synthetic chat --requests 2000 --save-trace chat.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvtier.errors import ConfigError
+from kvtier.policy import POLICIES
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", help="Mooncake-format JSONL trace")
+    src.add_argument(
+        "--synthetic",
+        choices=["chat", "system-prompt", "rag", "agent", "mixed"],
+        help="generate a synthetic workload instead of reading a trace",
+    )
+    p.add_argument("--requests", type=int, default=2000, help="synthetic: number of requests")
+    p.add_argument("--seed", type=int, default=0, help="synthetic: random seed")
+    p.add_argument("--save-trace", metavar="FILE", help="write the (synthetic) trace as JSONL")
+    p.add_argument("--config", metavar="TOML", help="hierarchy/model/GPU description")
+    p.add_argument(
+        "--tier",
+        action="append",
+        default=[],
+        metavar="NAME=SIZE",
+        help="a tier, fastest first (hbm, dram, nvme, pool, object), e.g. dram=1TB",
+    )
+    p.add_argument(
+        "--capacity-blocks", type=int, metavar="N", help="one tier of N blocks (overrides --tier)"
+    )
+    p.add_argument("--model", help="model preset (default Llama-3.1-70B)")
+    p.add_argument("--dtype", default="bf16", help="KV dtype (default bf16)")
+    p.add_argument("--gpus", type=int, help="GPUs prefilling (default 8)")
+    p.add_argument("--policy", help=f"eviction policy: {', '.join([*sorted(POLICIES), 'belady'])}")
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="hit ratio and TTFT vs capacity for every policy, Belady included",
+    )
+    p.add_argument("--capacities", help="sweep: comma-separated capacities in blocks")
+    p.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _load_trace(args: argparse.Namespace) -> Any:
+    from kvtier.sim.trace import read_trace, write_trace
+    from kvtier.sim.workload import generate
+
+    if args.trace:
+        trace = read_trace(args.trace)
+    else:
+        trace = generate(args.synthetic, args.requests, args.seed)
+    if args.save_trace:
+        write_trace(trace, args.save_trace)
+    return trace
+
+
+def _progress(total: int, quiet: bool) -> Any:
+    """A rich progress bar for long runs (a no-op context when quiet or short)."""
+    from contextlib import nullcontext
+
+    if quiet or total < 20_000 or not sys.stderr.isatty():
+        return nullcontext(None)
+    from rich.progress import Progress
+
+    return Progress(transient=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtier.sim import hierarchy
+    from kvtier.sim.replay import SIM_POLICIES, replay
+    from kvtier.sim.report import render, summarize
+
+    trace = _load_trace(args)
+    tier_flags = list(args.tier)
+    hier = hierarchy.build(
+        args.model, args.dtype, trace.block_tokens, args.policy, tier_flags, args.config, args.gpus
+    )
+    if args.capacity_blocks is not None:
+        if args.capacity_blocks < 0:
+            raise ConfigError("--capacity-blocks must be >= 0")
+        first = hier.tiers[0]
+        size = args.capacity_blocks * hier.block_bytes
+        hier = hier.with_tiers([hierarchy.SimTier(first.name, size, first.policy, first.cost)])
+    plot_dir = Path(args.plot) if args.plot else None
+    if plot_dir is not None:
+        plot_dir.mkdir(parents=True, exist_ok=True)
+
+    if args.sweep:
+        from kvtier.sim.sweep import default_capacities, sweep
+
+        caps = (
+            [int(c) for c in args.capacities.split(",")]
+            if args.capacities
+            else default_capacities(trace)
+        )
+        pols = [args.policy] if args.policy else list(SIM_POLICIES)
+        rows = sweep(trace, hier, pols, caps)
+        out: dict[str, Any] = {
+            "trace": trace.name,
+            "requests": len(trace),
+            "input_tokens": trace.input_tokens,
+            "sweep": rows,
+        }
+        if plot_dir is not None:
+            from kvtier.sim.plots import plot_sweep
+
+            out["plots"] = [str(plot_sweep(rows, plot_dir))]
+        if args.json:
+            print(json.dumps(out, indent=1))
+        else:
+            for r in rows:
+                print(
+                    f"{r['policy']:>14} {r['capacity_blocks']:>8} blocks  hit "
+                    f"{r['token_hit_ratio']:.4f}  TTFT p90 {r['ttft_p90_s']:.3f} s"
+                )
+        return 0
+
+    with _progress(trace.block_events, args.json) as bar:
+        cb = None
+        if bar is not None:
+            task = bar.add_task("replaying", total=len(trace))
+
+            def cb(i: int) -> None:
+                bar.update(task, completed=i)
+
+        res = replay(trace, hier.specs(), cb)
+    summary = summarize(trace, hier, res)
+    if plot_dir is not None:
+        from kvtier.sim.cost import price
+        from kvtier.sim.plots import plot_run
+
+        t = price(
+            res.hit_tokens, res.input_tokens, [x.cost for x in hier.tiers], hier.compute, hier.gpu
+        )
+        summary["plots"] = [str(x) for x in plot_run(summary, t.ttft_s, plot_dir)]
+    print(json.dumps(summary, indent=1) if args.json else render(summary))
+    return 0

@@ -1,0 +1,140 @@
+"""Turn a replay plus the cost model into the numbers users read: a dict (``--json``) and a table.
+
+Hit definition (also printed): a request's cached tokens are those of the leading run of its
+blocks present before it is served; each hit block counts ``block_tokens`` tokens except the
+request's last block, which counts ``input_length - block_tokens * (n - 1)``; after serving, all its
+blocks are inserted. ``token_hit_ratio`` = sum cached tokens / sum input tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvtier.sim.cost import price
+from kvtier.sim.hierarchy import Hierarchy
+from kvtier.sim.replay import ReplayResult
+from kvtier.sim.trace import Trace
+
+HIT_DEFINITION = (
+    "cached tokens = the leading run of a request's blocks present before it is served; each hit "
+    "block counts block_tokens tokens except the request's last block (input_length - "
+    "block_tokens*(n-1)); after serving all its blocks are inserted; token_hit_ratio = sum cached "
+    "tokens / sum input tokens"
+)
+
+
+def summarize(trace: Trace, hier: Hierarchy, res: ReplayResult) -> dict[str, Any]:
+    """All outputs of one simulation as a JSON-ready dict."""
+    costs = [t.cost for t in hier.tiers]
+    timing = price(res.hit_tokens, res.input_tokens, costs, hier.compute, hier.gpu)
+    input_tokens = int(res.input_tokens.sum())
+    busy = float(timing.ttft_s.sum())
+    bb = hier.block_bytes
+    bpt = hier.layout.bytes_per_token
+    tiers = []
+    tier_watts = 0.0
+    monthly = 0.0
+    for t, (tier, spec) in enumerate(zip(hier.tiers, res.tiers, strict=True)):
+        gb = tier.capacity_bytes / 1e9
+        usd = gb * tier.cost.usd_per_gb_month
+        watts = gb * tier.cost.watts_per_gb
+        monthly += usd
+        tier_watts += watts
+        tiers.append(
+            {
+                "name": tier.name,
+                "policy": spec.policy,
+                "capacity_bytes": tier.capacity_bytes,
+                "capacity_blocks": spec.capacity_blocks,
+                "token_hit_ratio": res.tier_hit_ratio(t),
+                "hit_tokens": int(res.hit_tokens[t].sum()),
+                "loaded_tokens": int(timing.loaded_tokens[t]),
+                "recomputed_hit_tokens": int(timing.recomputed_hit_tokens[t]),
+                "bytes_read": int(timing.loaded_tokens[t]) * bpt,
+                "bytes_written": res.written_blocks[t] * bb,
+                "evicted_blocks": res.evicted_blocks[t],
+                "bandwidth_bytes_per_s": tier.cost.bandwidth,
+                "latency_s": tier.cost.latency_s,
+                "usd_per_gb_month": tier.cost.usd_per_gb_month,
+                "monthly_cost_usd": usd,
+                "watts": watts,
+            }
+        )
+    gpu = hier.gpu
+    energy = (gpu.watts * gpu.count + tier_watts) * busy
+    p50, p90, p99 = (float(x) for x in np.percentile(timing.ttft_s, [50, 90, 99]))
+    return {
+        "trace": trace.name,
+        "requests": len(trace),
+        "input_tokens": input_tokens,
+        "block_events": res.block_refs,
+        "block_hits": res.block_hits,
+        "token_hit_ratio": res.token_hit_ratio,
+        "hit_definition": HIT_DEFINITION,
+        "tiers": tiers,
+        "ttft_s": {"p50": p50, "p90": p90, "p99": p99, "mean": float(timing.ttft_s.mean())},
+        "throughput_tokens_per_s": input_tokens / busy if busy else 0.0,
+        "tokens_per_joule": input_tokens / energy if energy else 0.0,
+        "monthly_cost_usd": monthly,
+        "assumptions": {
+            "model": hier.model_name,
+            "dtype": hier.layout.dtype,
+            "kv_bytes_per_token": bpt,
+            "block_tokens": hier.layout.block_tokens,
+            "block_bytes": bb,
+            "params": hier.compute.params,
+            "gpu": gpu.name,
+            "gpus": gpu.count,
+            "gpu_flops": gpu.flops,
+            "mfu": gpu.mfu,
+            "gpu_watts": gpu.watts,
+            "ttft": "fetch (latency + bytes/bandwidth per tier) + prefill compute, no overlap, "
+            "no queueing; a tier is read only when faster than recomputing its tokens",
+            "throughput": "input tokens / sum of TTFTs (one instance prefilling back to back)",
+            "energy": "(GPU watts x GPUs + tier watts/GB x GB) x busy time",
+            "monthly_cost": "tier capacity x $/GB/month (GPU rental excluded)",
+        },
+    }
+
+
+def render(summary: dict[str, Any]) -> str:
+    """A readable table (rich) of ``summary``."""
+    from io import StringIO
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"kvtier simulate: {summary['trace']} ({summary['requests']} requests)")
+    for col in ("tier", "policy", "capacity", "blocks", "hit ratio", "read", "written", "$/month"):
+        table.add_column(col, justify="right")
+    for t in summary["tiers"]:
+        table.add_row(
+            t["name"],
+            t["policy"],
+            _gb(t["capacity_bytes"]),
+            str(t["capacity_blocks"]),
+            f"{t['token_hit_ratio']:.3f}",
+            _gb(t["bytes_read"]),
+            _gb(t["bytes_written"]),
+            f"{t['monthly_cost_usd']:,.0f}",
+        )
+    ttft = summary["ttft_s"]
+    a = summary["assumptions"]
+    buf = StringIO()
+    console = Console(file=buf, width=110)
+    console.print(table)
+    console.print(
+        f"token hit ratio {summary['token_hit_ratio']:.4f}   TTFT p50/p90/p99 "
+        f"{ttft['p50']:.3f}/{ttft['p90']:.3f}/{ttft['p99']:.3f} s   "
+        f"{summary['throughput_tokens_per_s']:,.0f} tokens/s   "
+        f"{summary['tokens_per_joule']:.2f} tokens/J   ${summary['monthly_cost_usd']:,.0f}/month"
+    )
+    console.print(f"hit definition: {summary['hit_definition']}")
+    console.print("assumptions: " + "; ".join(f"{k}={v}" for k, v in a.items()))
+    return buf.getvalue()
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e12:.2f} TB" if n >= 1e12 else f"{n / 1e9:.1f} GB"

@@ -1,0 +1,43 @@
+"""Capacity sweeps: token hit ratio and TTFT against capacity, per policy (Belady included)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvtier.sim.cost import price
+from kvtier.sim.hierarchy import Hierarchy
+from kvtier.sim.replay import TierSpec, replay
+from kvtier.sim.trace import Trace
+
+
+def default_capacities(trace: Trace, points: int = 10) -> list[int]:
+    """Geometric capacities (blocks) from 1% to 100% of the trace's distinct blocks."""
+    distinct = len({k for r in trace.requests for k in r.blocks})
+    caps = np.geomspace(max(1, distinct // 100), distinct, points)
+    return sorted({int(c) for c in caps})
+
+
+def sweep(
+    trace: Trace, hier: Hierarchy, policies: Sequence[str], capacities: Sequence[int]
+) -> list[dict[str, Any]]:
+    """One single-tier replay per (policy, capacity); the tier is priced like ``hier``'s first."""
+    cost = [hier.tiers[0].cost]
+    rows: list[dict[str, Any]] = []
+    for pol in policies:
+        for cap in capacities:
+            res = replay(trace, [TierSpec(hier.tiers[0].name, cap, pol)])
+            t = price(res.hit_tokens, res.input_tokens, cost, hier.compute, hier.gpu)
+            rows.append(
+                {
+                    "policy": pol,
+                    "capacity_blocks": cap,
+                    "capacity_bytes": cap * hier.block_bytes,
+                    "token_hit_ratio": res.token_hit_ratio,
+                    "block_hits": res.block_hits,
+                    "ttft_p90_s": float(np.percentile(t.ttft_s, 90)),
+                }
+            )
+    return rows
