@@ -9,4 +9,5 @@ from __future__ import annotations
 
 BENCHES: dict[str, str] = {
     "host": "kvtier.bench.host",
+    "disk": "kvtier.bench.disk",
 }

@@ -107,6 +107,7 @@ class _Buf:
     def __init__(self, nbytes: int) -> None:
         self.mv = memoryview(mmap.mmap(-1, nbytes))
         self.arr: Array = np.frombuffer(self.mv, dtype=np.uint8)
+        self.arr.fill(0)  # fault the pages in now, not on the first put
 
 
 @dataclass(slots=True)
