@@ -263,6 +263,8 @@ def s3_server_process(port: int | None = None) -> ServerProcess:
         import moto.server  # noqa: F401
     except ImportError:
         pytest.skip("moto[server] is not installed (pip install 'moto[server]')")
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")  # moto accepts any credentials
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
     argv = [sys.executable, "-m", "moto.server", "-H", HOST, "-p", "{port}"]
     return ServerProcess("moto-s3", argv, port)
 
@@ -270,8 +272,6 @@ def s3_server_process(port: int | None = None) -> ServerProcess:
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """Endpoint URL of a session-wide moto S3 server (any credentials are accepted)."""
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
     server = s3_server_process().start()
     try:
         yield f"http://{HOST}:{server.port}"

@@ -245,6 +245,20 @@ class S3Tier(Tier):
                 Bucket=bucket, LifecycleConfiguration={"Rules": rules}
             )
 
+    def _guard(self, fn: Callable[[], T], fallback: T) -> T:
+        """``fn()`` through the breaker; after a failure the next trial starts from a fresh
+        client and re-prepares the bucket (a restarted store may have lost it)."""
+
+        def run() -> T:
+            try:
+                return fn()
+            except _ERRORS:
+                with self._lock:
+                    self._client = None
+                raise
+
+        return self.breaker.call(run, fallback, _ERRORS)
+
     def _each(self, fn: Callable[[int], T], n: int, fallback: T) -> list[T]:
         """``[fn(i) for i in range(n)]`` on the pool; all ``fallback`` if the server fails."""
 
@@ -252,7 +266,7 @@ class S3Tier(Tier):
             self.client()
             return list(self._pool.map(fn, range(n)))
 
-        return self.breaker.call(run, [fallback] * n, _ERRORS)
+        return self._guard(run, [fallback] * n)
 
     # -- queries ---------------------------------------------------------------------------
     def usage(self) -> TierUsage:
@@ -266,11 +280,11 @@ class S3Tier(Tier):
             )
             return sum(int(p.get("KeyCount", 0)) for p in pages)
 
-        return TierUsage(self.breaker.call(count, 0, _ERRORS), 0, self.block_bytes)
+        return TierUsage(self._guard(count, 0), 0, self.block_bytes)
 
     def _exists(self, name: str) -> bool:
         try:
-            self._client.head_object(Bucket=self.options.bucket, Key=name)
+            self.client().head_object(Bucket=self.options.bucket, Key=name)
         except ClientError as exc:
             if _code(exc) in _MISSING:
                 return False
@@ -291,7 +305,7 @@ class S3Tier(Tier):
     # -- data ------------------------------------------------------------------------------
     def _fetch(self, name: str) -> bytes | None:
         try:
-            resp = self._client.get_object(Bucket=self.options.bucket, Key=name)
+            resp = self.client().get_object(Bucket=self.options.bucket, Key=name)
         except ClientError as exc:
             if _code(exc) in _MISSING:
                 return None
@@ -313,7 +327,7 @@ class S3Tier(Tier):
                 return True
             if self.sealer.droppable(value):
                 log.warning("s3 tier: object %s failed verification: deleted", names[i])
-                self._client.delete_object(Bucket=self.options.bucket, Key=names[i])
+                self.client().delete_object(Bucket=self.options.bucket, Key=names[i])
             return False
 
         return self._each(one, len(keys), False)
@@ -325,16 +339,16 @@ class S3Tier(Tier):
             if len(value) < self.multipart_threshold:
                 whole = value.obj if isinstance(value.obj, bytearray) else None
                 body = whole if whole is not None and len(whole) == len(value) else bytes(value)
-                self._client.put_object(Bucket=bucket, Key=name, Body=body, IfNoneMatch="*")
+                self.client().put_object(Bucket=bucket, Key=name, Body=body, IfNoneMatch="*")
                 return True
-            upload_id = self._client.create_multipart_upload(Bucket=bucket, Key=name)["UploadId"]
+            upload_id = self.client().create_multipart_upload(Bucket=bucket, Key=name)["UploadId"]
             try:
                 step = self.multipart_chunk
                 offsets = range(0, len(value), step)
 
                 def part(i: int) -> dict[str, Any]:
                     body = value[offsets[i] : offsets[i] + step]
-                    r = self._client.upload_part(
+                    r = self.client().upload_part(
                         Bucket=bucket,
                         Key=name,
                         UploadId=upload_id,
@@ -344,7 +358,7 @@ class S3Tier(Tier):
                     return {"ETag": r["ETag"], "PartNumber": i + 1}
 
                 parts = list(self._parts.map(part, range(len(offsets))))
-                self._client.complete_multipart_upload(
+                self.client().complete_multipart_upload(
                     Bucket=bucket,
                     Key=name,
                     UploadId=upload_id,
@@ -352,7 +366,7 @@ class S3Tier(Tier):
                     IfNoneMatch="*",
                 )
             except BaseException:
-                self._client.abort_multipart_upload(Bucket=bucket, Key=name, UploadId=upload_id)
+                self.client().abort_multipart_upload(Bucket=bucket, Key=name, UploadId=upload_id)
                 raise
         except ClientError as exc:
             if _code(exc) in _EXISTS:
@@ -397,7 +411,7 @@ class S3Tier(Tier):
                 )
 
         if names:
-            self.breaker.call(drop, None, _ERRORS)
+            self._guard(drop, None)
 
     def keys_of(self, tenant: str) -> Iterable[str]:
         """Object names held for ``tenant`` (a listing; for tools and tests)."""

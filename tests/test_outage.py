@@ -1,0 +1,142 @@
+"""A shared-tier server dies mid-run and comes back: misses (never exceptions), then recovery.
+
+Each test owns its server (started on a free port, killed with SIGKILL by PID, restarted on the
+same port). The only time bound asserted is a generous "it did not hang" ceiling: every call
+against a dead server must return within a small multiple of the configured timeout.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvtier.layout import KVLayout
+from kvtier.store import TieredStore
+from kvtier.tiers.base import Tier
+from kvtier.tiers.host import HostTier
+from kvtier.tiers.redis import RedisOptions, RedisTier
+from kvtier.tiers.s3 import S3Options, S3Tier
+from tests.servers import ServerProcess, redis_server_process, s3_server_process
+from tests.tier_conformance import LAYOUT, empty_block, rand_block, rand_key
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(120)]
+TIMEOUT_S = 0.5
+COOLDOWN_S = 1.0
+HANG_CEILING_S = 10 * TIMEOUT_S
+
+
+@pytest.fixture
+def redis_proc() -> Iterator[ServerProcess]:
+    server = redis_server_process().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_proc() -> Iterator[ServerProcess]:
+    server = s3_server_process().start()
+    yield server
+    server.stop()
+
+
+def _redis(server: ServerProcess) -> RedisTier:
+    opts = RedisOptions(
+        url=f"redis://127.0.0.1:{server.port}", timeout=TIMEOUT_S, connect_timeout=TIMEOUT_S
+    )
+    return RedisTier(LAYOUT, opts, cooldown_s=COOLDOWN_S)
+
+
+def _s3(server: ServerProcess) -> S3Tier:
+    opts = S3Options(
+        bucket="outage", endpoint_url=f"http://127.0.0.1:{server.port}", timeout=TIMEOUT_S
+    )
+    return S3Tier(LAYOUT, opts, create_bucket=True, cooldown_s=COOLDOWN_S)
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    t0 = time.monotonic()
+    result = fn()
+    return result, time.monotonic() - t0
+
+
+def _kill_and_recover(tier: Tier, server: ServerProcess) -> None:
+    k, b = rand_key(), rand_block(seed=1)
+    assert tier.put([k], [b]) == [True] and tier.healthy
+    server.kill()
+    out = empty_block()
+    # every operation: a miss / False / nothing, never an exception, never a hang
+    for op in (
+        lambda: tier.get_into([k], [out]),
+        lambda: tier.contains_prefix([k]),
+        lambda: tier.put([rand_key()], [b]),
+        lambda: tier.delete([k]),
+        lambda: tier.usage(),
+    ):
+        _, took = _timed(op)
+        assert took < HANG_CEILING_S
+    assert tier.get_into([k], [out]) == [False]
+    assert tier.contains_prefix([k]) == 0
+    assert tier.put([k], [b]) == [False]
+    assert not tier.healthy
+    server.start()  # same port, empty (no persistence)
+    time.sleep(COOLDOWN_S + 0.2)
+    k2 = rand_key()
+    assert tier.put([k2], [b]) == [True]  # the trial call goes through and closes the breaker
+    assert tier.healthy
+    assert tier.get_into([k2], [out]) == [True] and out.tobytes() == b.tobytes()
+
+
+def test_redis_server_killed_and_restarted(redis_proc: ServerProcess) -> None:
+    tier = _redis(redis_proc)
+    try:
+        _kill_and_recover(tier, redis_proc)
+    finally:
+        tier.close()
+
+
+def test_s3_server_killed_and_restarted(s3_proc: ServerProcess) -> None:
+    tier = _s3(s3_proc)
+    try:
+        _kill_and_recover(tier, s3_proc)
+    finally:
+        tier.close()
+
+
+def test_tier_built_while_server_is_down_serves_misses(redis_proc: ServerProcess) -> None:
+    redis_proc.kill()
+    tier = _redis(redis_proc)
+    try:
+        assert tier.contains_prefix([rand_key()]) == 0 and not tier.healthy
+        redis_proc.start()
+        time.sleep(COOLDOWN_S + 0.2)
+        assert tier.put([rand_key()], [rand_block()]) == [True] and tier.healthy
+    finally:
+        tier.close()
+
+
+def test_store_keeps_serving_from_host_while_shared_tier_is_down(
+    redis_proc: ServerProcess,
+) -> None:
+    """The run goes on: stores and loads work from the host tier; the shared tier is skipped."""
+    lay = KVLayout(layers=2, kv_heads=2, head_dim=8, dtype="float16", block_tokens=16)
+    shared = _redis(redis_proc)
+    store = TieredStore(lay, [HostTier(lay, 64 * lay.block_bytes), shared], tenant="t")
+    try:
+        rng = np.random.default_rng(0)
+        tokens = rng.integers(0, 50_000, size=64)
+        kv = rng.integers(0, 2**16, size=lay.kv_shape(64), dtype=np.uint16).view(np.float16)
+        redis_proc.kill()
+        assert store.store(tokens, kv) == 64
+        store.flush()  # the write-through fails quietly
+        out = np.zeros_like(kv)
+        assert store.load(tokens, out) == 64
+        assert np.array_equal(out.view(np.uint16), kv.view(np.uint16))
+        other = rng.integers(0, 50_000, size=64)
+        assert store.lookup(other) == 0  # shared tier skipped: a miss, no exception
+        assert not shared.healthy
+    finally:
+        store.close()
