@@ -12,7 +12,8 @@ Prefix awareness: a request's chain is queued *leaf first* (the root enters last
 chain the leaf leaves the FIFO before its parent, and a parent's counter is never below its
 child's (every hit on a child is a hit on its parent too). The block-level variant
 ``s3fifo-block`` queues parent first, as a plain block cache would; it drops parents before their
-children and does worse than LRU at small capacities (kept for the comparison, not for use).
+children and does worse than LRU at small capacities. It breaks the prefix contract, so it is
+not in the store's registry: only the simulator offers it, as the comparison baseline.
 
 ``insert`` accepts keys that are already resident (the served request's whole chain): those
 count as hits. Eviction work is bounded: each key is moved at most ``MAX_FREQ + 1`` times per
@@ -83,7 +84,8 @@ class S3FIFO(EvictionPolicy[K]):
     def _pop_one(self, evictable: Callable[[K], bool]) -> K | None:
         """Drop one evictable key; None when every resident key is pinned.
 
-        Pinned keys are rotated to the back of their queue, each at most once per call.
+        Pinned keys are rotated to the back of their queue, each at most once between two
+        steps that lower some key's counter (so the work is bounded by the counters' sum).
         """
         small, main, freq = self._small, self._main, self._freq
         skip_small = skip_main = 0
@@ -94,6 +96,7 @@ class S3FIFO(EvictionPolicy[K]):
                 if freq[k] > 0:
                     freq[k] = 0
                     main[k] = None
+                    skip_small = skip_main = 0  # progress: pinned keys may be passed again
                     continue
                 if not evictable(k):
                     small[k] = None
@@ -111,6 +114,7 @@ class S3FIFO(EvictionPolicy[K]):
             if f > 0:
                 freq[k] = f - 1
                 main[k] = None
+                skip_small = skip_main = 0
                 continue
             if not evictable(k):
                 main[k] = None

@@ -32,10 +32,13 @@ import numpy.typing as npt
 from kvtier.errors import ConfigError
 from kvtier.policy import POLICIES, EvictionPolicy, make_policy
 from kvtier.policy.base import always
+from kvtier.policy.s3fifo import BlockS3FIFO
 from kvtier.sim.belady import Belady, FutureOracle
 from kvtier.sim.trace import Trace
 
-SIM_POLICIES = (*sorted(POLICIES), "belady")
+#: offered by the simulator only: the offline ceiling and the prefix-unaware baseline
+SIM_ONLY = ("belady", BlockS3FIFO.name)
+SIM_POLICIES = (*sorted(POLICIES), *SIM_ONLY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +85,8 @@ def _build_policy(spec: TierSpec, oracle: FutureOracle | None) -> EvictionPolicy
     if spec.policy.lower() == "belady":
         assert oracle is not None
         return Belady(spec.capacity_blocks, oracle)
+    if spec.policy.lower() == BlockS3FIFO.name:
+        return BlockS3FIFO(spec.capacity_blocks)
     pol: EvictionPolicy[int] = make_policy(spec.policy, spec.capacity_blocks)  # type: ignore[assignment]
     return pol
 

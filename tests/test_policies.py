@@ -1,0 +1,129 @@
+"""The contract every eviction policy passes (one mixin), plus a hypothesis model check."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.policy import DEFAULT_POLICY, POLICIES, EvictionPolicy, make_policy
+from kvtier.policy.base import always
+
+
+class PolicyContract:
+    """Subclass with ``name`` set; every registered policy gets one subclass below."""
+
+    name: str
+
+    def make(self, capacity: int = 16) -> EvictionPolicy[Hashable]:
+        return make_policy(self.name, capacity)
+
+    def test_insert_tracks_and_remove_forgets(self) -> None:
+        p = self.make()
+        p.insert([1, 2, 3])
+        assert len(p) == 3 and 2 in p
+        p.remove(2)
+        p.remove(99)  # absent: ignored
+        assert len(p) == 2 and 2 not in p
+
+    def test_insert_of_resident_keys_does_not_duplicate(self) -> None:
+        p = self.make()
+        p.insert([1, 2, 3])
+        p.insert([1, 2, 3, 4])
+        assert len(p) == 4
+
+    def test_evict_is_all_or_nothing(self) -> None:
+        p = self.make()
+        p.insert([b"a", b"b", b"c"])  # bytes keys, as in the store
+        assert p.evict(4, always) is None
+        assert len(p) == 3
+        assert p.evict(0, always) == []
+        victims = p.evict(3, always)
+        assert victims is not None and sorted(victims) == [b"a", b"b", b"c"]
+        assert len(p) == 0
+
+    def test_evictable_predicate_is_respected(self) -> None:
+        p = self.make()
+        p.insert(list(range(10)))
+        pinned = {0, 3, 9}
+        victims = p.evict(7, lambda k: k not in pinned)
+        assert victims is not None and not set(victims) & pinned
+        assert len(p) == 3 and all(k in p for k in pinned)
+        assert p.evict(1, lambda k: k not in pinned) is None
+        assert len(p) == 3
+
+    def test_parent_outlives_child_after_access(self) -> None:
+        p = self.make(capacity=8)
+        chain = [10, 11, 12, 13]
+        p.insert(chain)
+        p.access(chain)
+        for n in range(1, len(chain)):
+            q = self.make(capacity=8)
+            q.insert(chain)
+            q.access(chain)
+            victims = q.evict(n, always)
+            assert victims is not None
+            kept = [k for k in chain if k in q]
+            assert kept == chain[: len(kept)], f"{self.name} dropped a parent before its child"
+
+    def test_victims_are_forgotten(self) -> None:
+        p = self.make(capacity=4)
+        p.insert([1, 2, 3, 4])
+        victims = p.evict(2, always)
+        assert victims is not None and all(v not in p for v in victims)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_registry_builds_every_policy(name: str) -> None:
+    assert make_policy(name, 4).name == name
+
+
+def test_default_policy_is_registered() -> None:
+    assert DEFAULT_POLICY in POLICIES
+
+
+for _name in sorted(POLICIES):
+    _cls = type(f"TestContract_{_name.replace('-', '_')}", (PolicyContract,), {"name": _name})
+    globals()[_cls.__name__] = _cls
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["insert", "access", "remove", "evict"]),
+        st.lists(st.integers(0, 12), min_size=1, max_size=5, unique=True),
+    ),
+    max_size=60,
+)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@settings(max_examples=60, deadline=None)
+@given(ops=ops)
+def test_policy_matches_a_set_model(name: str, ops: list[tuple[str, list[int]]]) -> None:
+    """Whatever the order, a policy's resident set is exactly what a dict model says."""
+    p = make_policy(name, 6)
+    model: dict[int, None] = {}
+    for op, keys in ops:
+        if op == "insert":
+            p.insert(keys)
+            model.update(dict.fromkeys(keys))
+        elif op == "access":
+            p.access(keys)
+        elif op == "remove":
+            p.remove(keys[0])
+            model.pop(keys[0], None)
+        else:
+            n = len(keys)
+            pinned = set(keys[1:2])
+            victims = p.evict(n, lambda k, pinned=pinned: k not in pinned)  # type: ignore[misc]
+            free = [k for k in model if k not in pinned]
+            if n > len(free):
+                assert victims is None
+            else:
+                assert victims is not None and len(victims) == n == len(set(victims))
+                assert set(victims) <= set(free)
+                for v in victims:
+                    del model[v]
+        assert len(p) == len(model)
+        assert all(k in p for k in model)

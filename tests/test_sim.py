@@ -1,0 +1,208 @@
+"""The simulator: hit accounting, Belady's ceiling, LRU against a brute-force reference, traces."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli.main import main
+from kvtier.policy import POLICIES
+from kvtier.sim.replay import TierSpec, replay
+from kvtier.sim.trace import Request, Trace, TraceError, iter_trace, read_trace
+from kvtier.sim.workload import generate
+
+MOONCAKE = Path("/work/shared/data/traces/mooncake_synthetic.jsonl")
+BT = 512
+
+
+def tree_trace(seed: int, n_req: int = 60, nodes: int = 40) -> Trace:
+    """Requests are root-to-node paths of a random block tree (chained ids, like real prefixes)."""
+    rng = random.Random(seed)
+    parent = [-1]
+    for i in range(1, nodes):
+        parent.append(rng.randrange(i) if rng.random() < 0.8 else -1)
+    reqs = []
+    for i in range(n_req):
+        node = rng.randrange(nodes)
+        path = []
+        while node != -1:
+            path.append(node)
+            node = parent[node]
+        path.reverse()
+        length = BT * len(path) - rng.randrange(BT)
+        reqs.append(Request(float(i), length, 1, tuple(path)))
+    return Trace(tuple(reqs))
+
+
+def ideal_cached_tokens(trace: Trace) -> int:
+    """Infinite cache, counted directly: every block seen before is a hit."""
+    seen: set[int] = set()
+    total = 0
+    for r in trace.requests:
+        n = 0
+        while n < len(r.blocks) and r.blocks[n] in seen:
+            n += 1
+        total += r.input_length if n == len(r.blocks) else n * BT
+        seen.update(r.blocks)
+    return total
+
+
+def brute_lru_hits(trace: Trace, cap: int) -> int:
+    """Leading-run block hits of a list-based LRU with the served chain pinned."""
+    order: list[int] = []  # oldest first
+    hits = 0
+    for r in trace.requests:
+        n = 0
+        while n < len(r.blocks) and r.blocks[n] in order:
+            n += 1
+        hits += n
+        chain = list(r.blocks[:cap])
+        need = len(order) + len([k for k in chain if k not in order]) - cap
+        for k in [k for k in order if k not in chain][: max(need, 0)]:
+            order.remove(k)
+        for k in reversed(chain):  # root ends most recent
+            if k in order:
+                order.remove(k)
+            order.append(k)
+    return hits
+
+
+def test_infinite_cache_equals_ideal_reuse_on_mooncake() -> None:
+    trace = read_trace(MOONCAKE)
+    res = replay(trace, [TierSpec("hbm", 10**9, "lru")])
+    assert int(res.hit_tokens.sum()) == ideal_cached_tokens(trace)
+    assert res.token_hit_ratio == pytest.approx(0.651, abs=0.001)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_infinite_cache_equals_ideal_reuse_on_random_trees(seed: int) -> None:
+    trace = tree_trace(seed)
+    for pol in (*POLICIES, "belady"):
+        res = replay(trace, [TierSpec("x", 10**6, pol)])
+        assert int(res.hit_tokens.sum()) == ideal_cached_tokens(trace)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_lru_matches_brute_force(seed: int) -> None:
+    trace = tree_trace(seed)
+    for cap in (1, 3, 7, 15):
+        assert replay(trace, [TierSpec("x", cap, "lru")]).block_hits == brute_lru_hits(trace, cap)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_belady_bounds_every_online_policy(seed: int) -> None:
+    trace = tree_trace(seed, n_req=80)
+    for cap in (2, 5, 10, 20, 40):
+        best = replay(trace, [TierSpec("x", cap, "belady")]).block_hits
+        for pol in (*POLICIES, "s3fifo-block"):
+            assert replay(trace, [TierSpec("x", cap, pol)]).block_hits <= best, (pol, cap)
+
+
+@pytest.mark.parametrize("pol", ["lru", "belady"])
+def test_hit_ratio_never_decreases_with_capacity(pol: str) -> None:
+    for seed in range(4):
+        trace = tree_trace(seed)
+        ratios = [replay(trace, [TierSpec("x", c, pol)]).token_hit_ratio for c in range(1, 41)]
+        assert all(a <= b + 1e-12 for a, b in zip(ratios, ratios[1:], strict=False)), ratios
+
+
+def test_default_policy_not_below_lru_on_mooncake() -> None:
+    trace = read_trace(MOONCAKE)
+    for cap in (300, 3000, 10000):
+        lru = replay(trace, [TierSpec("x", cap, "lru")]).token_hit_ratio
+        s3 = replay(trace, [TierSpec("x", cap, "s3fifo")]).token_hit_ratio
+        assert s3 >= lru, (cap, s3, lru)
+
+
+def test_tiers_split_the_hits_and_demote() -> None:
+    trace = tree_trace(3, n_req=200)
+    one = replay(trace, [TierSpec("x", 4, "lru")])
+    two = replay(trace, [TierSpec("x", 4, "lru"), TierSpec("y", 30, "lru")])
+    assert two.hit_tokens.sum() > one.hit_tokens.sum()
+    assert two.hit_tokens[1].sum() > 0 and two.promoted_blocks[1] > 0
+    assert two.written_blocks[1] == two.evicted_blocks[0]  # every victim demoted
+
+
+@pytest.mark.parametrize(
+    ("line", "needle"),
+    [
+        ("not json", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"timestamp": 0, "input_length": 600, "hash_ids": [1]}', "needs 2 blocks"),
+        ('{"timestamp": 0, "input_length": -1, "hash_ids": []}', "input_length"),
+        ('{"timestamp": 0, "input_length": 10, "hash_ids": ["a"]}', "hash_ids"),
+    ],
+)
+def test_malformed_trace_line_is_named(line: str, needle: str) -> None:
+    good = '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0]}'
+    with pytest.raises(TraceError, match=rf"t\.jsonl:3: .*{needle}"):
+        list(iter_trace([good, "", line], "t.jsonl"))
+
+
+def test_synthetic_workloads_share_prefixes_like_real_ones() -> None:
+    for kind in ("chat", "system-prompt", "rag", "agent", "mixed"):
+        trace = generate(kind, 300, seed=1)
+        parent: dict[int, int] = {}
+        for r in trace.requests:
+            assert len(r.blocks) == -(-r.input_length // BT)
+            for i, k in enumerate(r.blocks):  # chained: an id always has the same parent
+                assert parent.setdefault(k, r.blocks[i - 1] if i else -1) == (
+                    r.blocks[i - 1] if i else -1
+                )
+        assert 0.0 < replay(trace, [TierSpec("x", 10**6, "lru")]).token_hit_ratio < 1.0
+
+
+def test_cli_json_single_tier(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(
+        [
+            "simulate",
+            "--trace",
+            str(MOONCAKE),
+            "--capacity-blocks",
+            "10000",
+            "--policy",
+            "belady",
+            "--json",
+        ]
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["requests"] == 3993
+    assert out["input_tokens"] == read_trace(MOONCAKE).input_tokens
+    assert 0.6 < out["token_hit_ratio"] < 0.651
+    assert out["tiers"][0]["capacity_blocks"] == 10000
+    assert out["ttft_s"]["p50"] <= out["ttft_s"]["p90"] <= out["ttft_s"]["p99"]
+
+
+def test_cli_tiers_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(
+        [
+            "simulate",
+            "--synthetic",
+            "chat",
+            "--requests",
+            "200",
+            "--tier",
+            "hbm=20GB",
+            "--tier",
+            "dram=200GB",
+            "--model",
+            "Llama-3.1-8B",
+            "--plot",
+            str(tmp_path),
+            "--json",
+        ]
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and [t["name"] for t in out["tiers"]] == ["hbm", "dram"]
+    assert sum(t["hit_tokens"] for t in out["tiers"]) == round(
+        out["token_hit_ratio"] * out["input_tokens"]
+    )
+    assert all(Path(p).stat().st_size > 1000 for p in out["plots"])
+
+
+def test_cli_bad_tier_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--synthetic", "rag", "--tier", "tape=1TB"]) == 2
+    assert "tape" in capsys.readouterr().err
