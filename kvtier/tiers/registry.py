@@ -19,6 +19,7 @@ from kvtier.tiers.base import Tier
 TIER_KINDS: dict[str, str] = {
     "host": "kvtier.tiers.host:HostTier",
     "device": "kvtier.tiers.device:DeviceTier",
+    "mooncake": "kvtier.tiers.mooncake:MooncakeTier",
     "nvme": "kvtier.tiers.nvme:NVMeTier",
     "redis": "kvtier.tiers.redis:RedisTier",
     "s3": "kvtier.tiers.s3:S3Tier",

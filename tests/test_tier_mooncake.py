@@ -1,0 +1,192 @@
+"""The Mooncake Store tier against a real ``mooncake_master`` (see ``tests/mooncake_server.py``).
+
+Besides the conformance suite: the Mooncake behaviours the tier is designed around -- put never
+overwrites, a full pool evicts silently, a master restart loses every key, a dead master is
+skipped by the circuit breaker -- each must read as misses, never as errors or wrong data.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier import codec
+from kvtier.keys import BlockKey
+from kvtier.layout import KVLayout
+from kvtier.tiers.base import Tier
+from kvtier.tiers.mooncake import MooncakeTier
+from kvtier.tiers.registry import make_tier
+from tests.mooncake_server import MIB, MooncakeCluster, mooncake_cluster, start_or_skip
+from tests.tier_conformance import TierConformance, empty_block, rand_block, rand_key
+
+pytest.importorskip("mooncake", reason="install mooncake-transfer-engine-non-cuda")
+
+pytestmark = pytest.mark.server
+__all__ = ["mooncake_cluster"]  # the session fixture, used by the tests below
+
+
+def _tier(layout: KVLayout, master: str, **kw: object) -> MooncakeTier:
+    opts: dict[str, object] = {"segment_size": 0, "buffer_size": 4 * MIB, "cooldown_s": 0.5}
+    opts.update(kw)
+    return MooncakeTier(layout, master, prefix=f"t{os.urandom(4).hex()}", **opts)  # type: ignore[arg-type]
+
+
+class TestMooncakeTier(TierConformance):
+    @pytest.fixture(autouse=True)
+    def _cluster(self, mooncake_cluster: MooncakeCluster) -> None:
+        self.cluster = mooncake_cluster
+
+    def make_tier(self, layout: KVLayout, capacity_blocks: int, tmp_path: Path) -> Tier:
+        return _tier(layout, self.cluster.address)
+
+    def corrupt(self, tier: Tier, key: BlockKey) -> bool:
+        """Replace the stored value by one with a flipped payload bit (what a torn write or a
+        stray writer would leave): remove, then put the tampered bytes under the same name."""
+        assert isinstance(tier, MooncakeTier)
+        client = tier._ready()
+        name = tier._names([key], "")[0]
+        raw = np.frombuffer(client.get(name), dtype=np.uint8).copy()
+        if raw.size != codec.HEADER_BYTES + tier.block_bytes:
+            return False
+        raw[codec.HEADER_BYTES + 5] ^= 0x10
+        client.remove(name, True)
+        return bool(client.put(name, raw.tobytes()) == 0)
+
+
+@pytest.fixture
+def tier(mooncake_cluster: MooncakeCluster) -> object:
+    t = _tier(KVLayout(2, 2, 8, "float16", block_tokens=16), mooncake_cluster.address)
+    yield t
+    t.close()
+
+
+def test_registry_builds_the_tier(mooncake_cluster: MooncakeCluster) -> None:
+    layout = KVLayout(2, 2, 8, "float16", block_tokens=16)
+    t = make_tier(
+        layout,
+        {
+            "kind": "mooncake",
+            "master": mooncake_cluster.address,
+            "segment_size": 0,
+            "buffer_size": "1MiB",
+        },
+    )
+    try:
+        assert isinstance(t, MooncakeTier) and t.shared and t.healthy
+        assert t.capacity_blocks == 0
+    finally:
+        t.close()
+
+
+def test_put_never_overwrites_a_foreign_value(tier: MooncakeTier) -> None:
+    """Mooncake keeps the first value of a key: a planted foreign object stays, reads as a miss
+    and is removed; the next put then stores the real block."""
+    k, block = rand_key(), rand_block(seed=1)
+    name = tier._names([k], "")[0]
+    assert tier._ready().put(name, b"not a kvtier block") == 0
+    assert tier.contains_prefix([k]) == 1  # present, but not ours
+    out = empty_block()
+    assert tier.get_into([k], [out]) == [False]
+    assert tier.contains_prefix([k]) == 0  # dropped on read
+    assert tier.put([k], [block]) == [True]
+    assert tier.get_into([k], [out]) == [True] and out.tobytes() == block.tobytes()
+
+
+def test_block_under_another_key_is_a_miss(tier: MooncakeTier) -> None:
+    """A valid block copied to another key's name fails the header key check."""
+    a, b = rand_key(), rand_key()
+    tier.put([a], [rand_block(seed=2)])
+    client = tier._ready()
+    na, nb = tier._names([a, b], "")
+    assert client.put(nb, client.get(na)) == 0
+    assert tier.get_into([b], [empty_block()]) == [False]
+    assert tier.contains_prefix([b]) == 0
+
+
+def test_tenants_are_namespaced(tier: MooncakeTier) -> None:
+    k, block = rand_key(), rand_block(seed=3)
+    assert tier.put([k], [block], tenant="alice") == [True]
+    assert tier.contains_prefix([k], tenant="bob") == 0
+    assert tier.get_into([k], [empty_block()], tenant="bob") == [False]
+    out = empty_block()
+    assert tier.get_into([k], [out], tenant="alice") == [True]
+    assert out.tobytes() == block.tobytes()
+    assert tier._names([k], "alice")[0] == f"{tier.prefix}/alice/{k.hex()}"
+
+
+def test_prefix_of_a_long_prompt_in_one_call(tier: MooncakeTier) -> None:
+    keys = [rand_key() for _ in range(512)]  # 128K tokens at 256 tokens per block
+    assert tier.put(keys[:300], [rand_block(seed=4)] * 300) == [True] * 300
+    assert tier.contains_prefix(keys) == 300
+
+
+def test_full_pool_evicts_silently(tmp_path: Path) -> None:
+    """A 16 MiB pool takes 40 x 1 MiB blocks: puts that find no room say False, evicted blocks
+    are misses, and every hit is byte-identical."""
+    layout = KVLayout(4, 8, 128, "float16", block_tokens=64)  # 1 MiB blocks
+    with start_or_skip(0) as cluster:
+        t = _tier(layout, cluster.address, segment_size=16 * MIB, buffer_size=8 * MIB)
+        try:
+            keys = [rand_key() for _ in range(40)]
+            blocks = [rand_block(layout, seed=i) for i in range(40)]
+            stored = [t.put([k], [b])[0] for k, b in zip(keys, blocks, strict=True)]
+            assert not all(stored)  # the pool filled up
+            time.sleep(0.5)
+            outs = [empty_block(layout) for _ in keys]
+            got = t.get_into(keys, outs)
+            assert 0 < sum(got) < 40
+            for g, b, o in zip(got, blocks, outs, strict=True):
+                if g:
+                    assert o.tobytes() == b.tobytes()
+            assert t.healthy
+        finally:
+            t.close()
+
+
+def test_master_restart_loses_keys_as_misses() -> None:
+    layout = KVLayout(2, 2, 8, "float16", block_tokens=16)
+    with start_or_skip(0) as cluster:
+        t = _tier(layout, cluster.address, segment_size=16 * MIB)
+        try:
+            keys = [rand_key() for _ in range(3)]
+            assert t.put(keys, [rand_block(seed=i) for i in range(3)]) == [True] * 3
+            cluster.restart_master()
+            time.sleep(1.0)  # the client re-mounts its segment on the next heartbeat
+            assert t.contains_prefix(keys) == 0
+            assert t.get_into(keys, [empty_block() for _ in keys]) == [False] * 3
+            block = rand_block(seed=9)
+            deadline = time.monotonic() + 15
+            while t.put(keys[:1], [block]) != [True] and time.monotonic() < deadline:
+                time.sleep(0.5)
+            out = empty_block()
+            assert t.get_into(keys[:1], [out]) == [True] and out.tobytes() == block.tobytes()
+        finally:
+            t.close()
+
+
+def test_dead_master_is_skipped_then_retried() -> None:
+    layout = KVLayout(2, 2, 8, "float16", block_tokens=16)
+    with start_or_skip(0) as cluster:
+        t = _tier(layout, cluster.address, segment_size=16 * MIB, cooldown_s=1.0)
+        try:
+            k = rand_key()
+            assert t.put([k], [rand_block(seed=1)]) == [True]
+            cluster.kill_master()
+            assert t.contains_prefix([k]) == 0  # one bounded RPC timeout, no exception
+            assert not t.healthy
+            trips = t.breaker.trips
+            assert t.get_into([k], [empty_block()]) == [False]  # skipped: breaker open
+            assert t.put([k], [rand_block()]) == [False]
+            assert t.breaker.skipped >= 2 and t.breaker.trips == trips
+            cluster.master.start()
+            deadline = time.monotonic() + 30
+            while not (t.put([k], [rand_block(seed=2)]) == [True] and t.healthy):
+                assert time.monotonic() < deadline, "tier did not come back"
+                time.sleep(0.5)
+            assert t.contains_prefix([k]) == 1
+        finally:
+            t.close()
