@@ -9,5 +9,8 @@ from __future__ import annotations
 
 BENCHES: dict[str, str] = {
     "host": "kvtier.bench.host",
+    "sim": "kvtier.bench.sim",
     "disk": "kvtier.bench.disk",
+    "redis": "kvtier.bench.redis",
+    "s3": "kvtier.bench.s3",
 }
