@@ -13,6 +13,7 @@ from kvtier.policy import POLICIES
 from kvtier.sim.replay import TierSpec, replay
 from kvtier.sim.trace import Request, Trace, TraceError, iter_trace, read_trace
 from kvtier.sim.workload import generate
+from itertools import pairwise
 
 MOONCAKE = Path("/work/shared/data/traces/mooncake_synthetic.jsonl")
 BT = 512
@@ -106,7 +107,7 @@ def test_hit_ratio_never_decreases_with_capacity(pol: str) -> None:
     for seed in range(4):
         trace = tree_trace(seed)
         ratios = [replay(trace, [TierSpec("x", c, pol)]).token_hit_ratio for c in range(1, 41)]
-        assert all(a <= b + 1e-12 for a, b in zip(ratios, ratios[1:], strict=False)), ratios
+        assert all(a <= b + 1e-12 for a, b in pairwise(ratios)), ratios
 
 
 def test_default_policy_not_below_lru_on_mooncake() -> None:
