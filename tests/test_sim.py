@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,6 @@ from kvtier.policy import POLICIES
 from kvtier.sim.replay import TierSpec, replay
 from kvtier.sim.trace import Request, Trace, TraceError, iter_trace, read_trace
 from kvtier.sim.workload import generate
-from itertools import pairwise
 
 MOONCAKE = Path("/work/shared/data/traces/mooncake_synthetic.jsonl")
 BT = 512
