@@ -64,16 +64,6 @@ _T = TypeVar("_T")
 _HB = codec.HEADER_BYTES
 
 
-def _fingerprint(layout: KVLayout) -> bytes:
-    # KVLayout.fingerprint is a cached_property on a slotted dataclass, which cannot cache;
-    # call the underlying function until layout.py makes it a plain property.
-    try:
-        return layout.fingerprint
-    except TypeError:
-        fp: bytes = type(layout).fingerprint.func(layout)  # type: ignore[attr-defined]
-        return fp
-
-
 class _Slots(SlotTable):
     """``SlotTable`` plus what a persistent, multi-device tier needs."""
 
@@ -161,7 +151,7 @@ class NVMeTier(Tier):
                 f"bytes, fewer than the {len(paths)} directories; raise capacity"
             )
         self._io = io or SlotIO()
-        self._fp = _fingerprint(layout)
+        self._fp = layout.fingerprint
         self._closed = False
         self._fail_lock = threading.Lock()
         nd = len(paths)

@@ -325,7 +325,7 @@ class DirIndex:
         self._records += len(items)
 
     def _maybe_compact(self) -> None:
-        if self._records > max(4096, 4 * self.n_slots):
+        if self._records > max(4096, self.n_slots):
             self._compact()
 
     def _compact(self) -> None:
