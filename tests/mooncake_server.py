@@ -23,27 +23,14 @@ bound to 127.0.0.1.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
+from kvtier.tiers.mooncake import package_binary
 from tests.servers import ServerProcess, free_port
 
 MIB = 1 << 20
-
-
-def package_binary(name: str) -> Path | None:
-    """Path of a binary shipped inside the ``mooncake`` package (``mooncake_master``...)."""
-    spec = importlib.util.find_spec("mooncake")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for loc in spec.submodule_search_locations:
-        p = Path(loc) / name
-        if p.is_file():
-            return p
-    return None
 
 
 class MooncakeCluster:

@@ -13,4 +13,5 @@ BENCHES: dict[str, str] = {
     "disk": "kvtier.bench.disk",
     "redis": "kvtier.bench.redis",
     "s3": "kvtier.bench.s3",
+    "mooncake": "kvtier.bench.mooncake",
 }

@@ -16,7 +16,9 @@ prompt's prefix in one round trip. Plain blocks in C-contiguous caller buffers m
 the payload goes straight from / into the caller's array and only the 64-byte header is staged
 (its checksum is one xxh3 pass over the payload). Strided buffers and encrypted blocks go
 through a staging arena registered with the transfer engine once, at construction (one fused
-copy+checksum). With ``protocol = "rdma"`` caller buffers are registered around each call.
+copy+checksum). Contiguous caller buffers are registered with the transfer engine for the
+duration of each call (measured: ~15 us per buffer over TCP, and markedly faster transfers
+than from unregistered memory).
 
 Mooncake behaviours this tier is built around:
 
@@ -35,11 +37,13 @@ query); the pool's capacity is the cluster's business, so ``capacity_blocks`` is
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import threading
 from collections.abc import Mapping, Sequence
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -111,6 +115,16 @@ class _Staging:
         return self.base + slot * self.slot_bytes
 
 
+def package_binary(name: str) -> Path | None:
+    """A binary shipped in the ``mooncake`` package (``mooncake_master``, ``mooncake_client``)."""
+    spec = importlib.util.find_spec("mooncake")
+    for loc in (spec.submodule_search_locations or []) if spec is not None else []:
+        p = Path(loc) / name
+        if p.is_file():
+            return p
+    return None
+
+
 def _flat(a: Array) -> Array | None:
     """A flat uint8 view of ``a`` if it is C-contiguous (zero-copy capable), else None."""
     if not a.flags.c_contiguous:
@@ -160,7 +174,6 @@ class MooncakeTier(Tier):
             rdma_devices,
             master,
         )
-        self._register_callers = protocol == "rdma"
         self._sealer = sealer or BlockSealer(layout)
         self._quotas = quotas or TenantQuotas(name="mooncake")
         self._value_bytes = self._sealer.value_bytes
@@ -262,6 +275,16 @@ class MooncakeTier(Tier):
     def _names(self, keys: Sequence[BlockKey], tenant: str) -> list[str]:
         base = f"{self.prefix}/{tenant_token(tenant)}/"
         return [base + k.hex() for k in keys]
+
+    @property
+    def client(self) -> Any:
+        """The underlying ``MooncakeDistributedStore`` (None while not connected); for tools."""
+        return self._client
+
+    @property
+    def value_bytes(self) -> int:
+        """Size of one stored object (header + payload, + nonce and tag when encrypted)."""
+        return self._value_bytes
 
     # -- queries -----------------------------------------------------------------------------
     @property
@@ -371,7 +394,7 @@ class MooncakeTier(Tier):
                     hdr = codec.pack_header(key, fp, n, codec.checksum(flat))
                     st.view(slot, h)[:] = np.frombuffer(hdr, np.uint8)
                     ptr = int(flat.ctypes.data)
-                    if self._register_callers and client.register_buffer(ptr, n) == 0:
+                    if client.register_buffer(ptr, n) == 0:
                         registered.append(ptr)
                     ptrs.append([st.ptr(slot), ptr])
                     sizes.append([h, n])
@@ -446,7 +469,7 @@ class MooncakeTier(Tier):
             direct.append(flat)
             if flat is not None:
                 ptr = int(flat.ctypes.data)
-                if self._register_callers and client.register_buffer(ptr, n) == 0:
+                if client.register_buffer(ptr, n) == 0:
                     registered.append(ptr)
                 ptrs.append([st.ptr(slot), ptr])
                 sizes.append([h, n])
