@@ -341,3 +341,22 @@ def test_striping_alternates_directories(tmp_path: Path) -> None:
     assert per_dir == [2, 2]
     assert np.all(np.asarray(per_dir) > 0)
     tier.close()
+
+
+def test_check_command_reports_and_fixes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvtier.cli.main import main
+
+    tier = open_tier(tmp_path, n_dirs=1)
+    tier.put([rand_key()], [rand_block()])
+    tier.close()
+    d = str(dirs(tmp_path, 1)[0])
+    patch_file(Path(d) / SLOTS_FILE, 5 * SLOT, b"junk")
+    assert main(["check", d]) == 1
+    assert "1 ok, 0 torn, 0 orphan, 1 foreign" in capsys.readouterr().out
+    assert main(["check", "--fix", d]) == 0
+    assert main(["check", "--json", d]) == 0
+    assert '"foreign": 0' in capsys.readouterr().out.splitlines()[-1]
+    assert main(["check", str(tmp_path)]) == 2  # not a tier directory: a clear error
+    assert "not a kvtier NVMe tier directory" in capsys.readouterr().err
