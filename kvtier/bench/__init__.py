@@ -9,6 +9,7 @@ from __future__ import annotations
 
 BENCHES: dict[str, str] = {
     "host": "kvtier.bench.host",
+    "ttft": "kvtier.bench.ttft",
     "sim": "kvtier.bench.sim",
     "disk": "kvtier.bench.disk",
     "redis": "kvtier.bench.redis",
