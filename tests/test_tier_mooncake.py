@@ -8,6 +8,8 @@ skipped by the circuit breaker -- each must read as misses, never as errors or w
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from kvtier.layout import KVLayout
 from kvtier.tiers.base import Tier
 from kvtier.tiers.mooncake import MooncakeTier
 from kvtier.tiers.registry import make_tier
+from kvtier.tiers.secure import BlockSealer, TenantQuotas
 from tests.mooncake_server import MIB, MooncakeCluster, mooncake_cluster, start_or_skip
 from tests.tier_conformance import TierConformance, empty_block, rand_block, rand_key
 
@@ -190,3 +193,88 @@ def test_dead_master_is_skipped_then_retried() -> None:
             assert t.contains_prefix([k]) == 1
         finally:
             t.close()
+
+
+_WRITER = """
+import sys
+import numpy as np
+from kvtier.keys import BlockKey
+from kvtier.layout import KVLayout
+from kvtier.tiers.mooncake import MooncakeTier
+
+master, prefix, tenant, *hex_keys = sys.argv[1:]
+layout = KVLayout(2, 2, 8, "float16", block_tokens=16)
+tier = MooncakeTier(layout, master, segment_size=0, buffer_size=1 << 20, prefix=prefix)
+blocks = [np.random.default_rng(i).integers(0, 2**16, layout.block_shape, dtype=np.uint16)
+          for i in range(len(hex_keys))]
+ok = tier.put([BlockKey(bytes.fromhex(h)) for h in hex_keys], blocks, tenant=tenant)
+tier.close()
+sys.exit(0 if all(ok) else 1)
+"""
+
+
+def test_block_written_by_another_process_loads_byte_identical(
+    mooncake_cluster: MooncakeCluster, tier: MooncakeTier
+) -> None:
+    """Node A (a separate process) stores blocks; node B (this one) finds and loads them."""
+    keys = [rand_key() for _ in range(3)]
+    proc = subprocess.run(
+        [sys.executable, "-c", _WRITER, mooncake_cluster.address, tier.prefix, "team",
+         *(k.hex() for k in keys)],
+        capture_output=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-2000:]
+    assert tier.contains_prefix(keys, tenant="team") == 3
+    assert tier.contains_prefix(keys, tenant="other") == 0
+    outs = [empty_block() for _ in keys]
+    assert tier.get_into(keys, outs, tenant="team") == [True] * 3
+    for i, o in enumerate(outs):
+        want = np.random.default_rng(i).integers(0, 2**16, tier.layout.block_shape, np.uint16)
+        assert o.view(np.uint16).tobytes() == want.tobytes()
+
+
+def test_encrypted_blocks_and_tampering(mooncake_cluster: MooncakeCluster) -> None:
+    layout = KVLayout(2, 2, 8, "float16", block_tokens=16)
+    sealer = BlockSealer(layout, master_key=os.urandom(32))
+    t = _tier(layout, mooncake_cluster.address, sealer=sealer)
+    try:
+        k, block = rand_key(), rand_block(seed=6)
+        assert t.put([k], [block], tenant="alice") == [True]
+        client = t._ready()
+        name = t._names([k], "alice")[0]
+        raw = bytes(client.get(name))
+        assert len(raw) == t.value_bytes and block.tobytes() not in raw  # ciphertext at rest
+        out = empty_block()
+        assert t.get_into([k], [out], tenant="alice") == [True]
+        assert out.tobytes() == block.tobytes()
+        # another tenant's namespace holding alice's ciphertext fails authentication
+        assert client.put(t._names([k], "bob")[0], raw) == 0
+        assert t.get_into([k], [empty_block()], tenant="bob") == [False]
+        # a flipped ciphertext bit is a miss, and the object is dropped
+        tampered = bytearray(raw)
+        tampered[-40] ^= 1
+        client.remove(name, True)
+        assert client.put(name, bytes(tampered)) == 0
+        assert t.get_into([k], [empty_block()], tenant="alice") == [False]
+        assert t.contains_prefix([k], tenant="alice") == 0
+    finally:
+        t.close()
+
+
+def test_quota_refusal_is_counted(mooncake_cluster: MooncakeCluster) -> None:
+    layout = KVLayout(2, 2, 8, "float16", block_tokens=16)
+    quotas = TenantQuotas(default_bytes=2 * layout.block_bytes, name="mooncake")
+    t = _tier(layout, mooncake_cluster.address, quotas=quotas)
+    try:
+        keys = [rand_key() for _ in range(3)]
+        assert t.put(keys, [rand_block(seed=i) for i in range(3)], tenant="a") == [
+            True,
+            True,
+            False,
+        ]
+        assert quotas.refusals() == {"a": 1}
+        assert t.contains_prefix(keys, tenant="a") == 2
+        t.delete(keys[:1], tenant="a")  # frees room for one more block
+        assert t.put(keys[2:], [rand_block(seed=2)], tenant="a") == [True]
+    finally:
+        t.close()

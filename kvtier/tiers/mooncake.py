@@ -295,7 +295,20 @@ class MooncakeTier(Tier):
     def healthy(self) -> bool:
         return self._client is not None and self.breaker.healthy
 
+    def _forget(self, tenant: str, keys: Sequence[BlockKey]) -> None:
+        """Drop written-key records (deleted or evicted blocks) and refund their quota."""
+        with self._lock:
+            gone = sum(1 for k in keys if (tenant, k) in self._written)
+            for k in keys:
+                self._written.pop((tenant, k), None)
+        for _ in range(gone):
+            self._quotas.release(tenant, self.block_bytes)
+
     def usage(self) -> TierUsage:
+        """Blocks this client wrote that are still in the pool (one batched existence query).
+
+        Blocks found evicted are forgotten and their quota refunded.
+        """
         with self._lock:
             items = list(self._written)
         present = 0
@@ -311,6 +324,7 @@ class MooncakeTier(Tier):
                     codes = client.batch_is_exist(self._names(ks, t))
                     self._check_down(codes)
                     n += sum(1 for c in codes if c == 1)
+                    self._forget(t, [k for k, c in zip(ks, codes, strict=True) if c == 0])
                 return n
 
             present = self.breaker.call(count, 0, (_ServerDown,))
@@ -338,7 +352,13 @@ class MooncakeTier(Tier):
     ) -> list[bool]:
         self.check_buffers(blocks, keys)
         result = [False] * len(keys)
-        todo = [i for i in range(len(keys)) if self._quotas.reserve(tenant, self.block_bytes)]
+        with self._lock:
+            known = {i for i, k in enumerate(keys) if (tenant, k) in self._written}
+        todo = [
+            i
+            for i in range(len(keys))
+            if i in known or self._quotas.reserve(tenant, self.block_bytes)
+        ]
         done: set[int] = set()
         pending = todo
         try:
@@ -359,7 +379,7 @@ class MooncakeTier(Tier):
                         done.add(i)
         finally:
             for i in todo:
-                if i not in done:
+                if i not in done and i not in known:
                     self._quotas.release(tenant, self.block_bytes)
         if done:
             with self._lock:
@@ -535,10 +555,7 @@ class MooncakeTier(Tier):
             self._check_down(codes)
 
         self.breaker.call(remove, None, (_ServerDown,))
-        with self._lock:
-            for k in keys:
-                if self._written.pop((tenant, k), 0) is None:
-                    self._quotas.release(tenant, self.block_bytes)
+        self._forget(tenant, keys)
 
     def close(self) -> None:
         """Close the client (its mounted segment leaves the pool with it). Idempotent."""
