@@ -235,7 +235,11 @@ class NVMeTier(Tier):
             self._fail(dev, "open", exc)
 
     def _open_slots(self, path: str, o_direct: ODirectMode) -> tuple[int, bool]:
-        """Open the slot file with O_DIRECT if the filesystem takes it (probed by a read)."""
+        """Open the slot file with O_DIRECT if the filesystem takes it (probed by a read).
+
+        Any refusal of the O_DIRECT open or probe (EINVAL on tmpfs and some network or FUSE
+        filesystems) falls back to buffered I/O; the plain open then reports real faults.
+        """
         if o_direct != "never":
             fd = -1
             try:
@@ -245,11 +249,9 @@ class NVMeTier(Tier):
             except OSError as exc:
                 if fd >= 0:
                     os.close(fd)
-                if exc.errno != errno.EINVAL:
-                    raise
                 if o_direct == "always":
                     raise ConfigError(
-                        f"nvme tier o_direct='always' but {path} does not support O_DIRECT; "
+                        f"nvme tier o_direct='always' but {path} refuses O_DIRECT ({exc}); "
                         f"use o_direct='auto' or another filesystem"
                     ) from None
         return self._io.open(path, os.O_RDWR), False
