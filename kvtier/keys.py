@@ -16,7 +16,9 @@ so a lookup does work proportional to the matched prefix plus one block.
 
 from __future__ import annotations
 
+import array
 import hashlib
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NewType
@@ -29,6 +31,7 @@ from kvtier.layout import KVLayout
 BlockKey = NewType("BlockKey", bytes)
 KEY_BYTES = 32
 _TOKEN_DTYPE = np.dtype("<u4")  # one canonical byte form, whatever the caller passed
+_FAST_U32 = array.array("I").itemsize == 4 and sys.byteorder == "little"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,26 +96,95 @@ def as_tokens(tokens: Any) -> np.ndarray[Any, np.dtype[np.uint32]]:
     return np.ascontiguousarray(arr, dtype=_TOKEN_DTYPE)
 
 
-def iter_keys(ns: Namespace, tokens: np.ndarray[Any, np.dtype[np.uint32]]) -> Iterator[BlockKey]:
-    """Yield the keys of the full blocks of ``tokens`` (already validated by ``as_tokens``).
+class TokenIds:
+    """Token ids validated lazily, a chunk at a time, so a lookup that stops at the first
+    missing block does not pay for converting (or even reading) the rest of a long prompt.
 
-    Lazy: a caller that stops at the first miss pays for the matched blocks plus one.
+    Accepts what ``as_tokens`` accepts. Type and shape errors raise ``TokenError`` at once;
+    value errors (negative, >= 2**32) when the chunk holding them is first keyed.
+    """
+
+    __slots__ = ("_n", "_src")
+
+    def __init__(self, tokens: Any) -> None:
+        if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # torch, without importing it
+            tokens = tokens.detach().cpu().numpy()
+        if isinstance(tokens, np.ndarray):
+            if tokens.ndim == 2 and tokens.shape[0] == 1:
+                tokens = tokens[0]
+            if tokens.ndim != 1:
+                raise TokenError(f"tokens must be 1-D (one sequence), got shape {tokens.shape}")
+            if tokens.size and tokens.dtype.kind not in "iu":
+                raise TokenError(f"tokens must be integers, got dtype {tokens.dtype}")
+        elif isinstance(tokens, list | tuple):
+            head = tokens[0] if tokens else 0
+            if isinstance(head, bool) or not isinstance(head, int | np.integer):
+                raise TokenError(
+                    f"tokens must be a flat sequence of integer ids, got {type(head).__name__} "
+                    f"{head!r} first"
+                )
+        elif not isinstance(tokens, range):
+            tokens = as_tokens(tokens)
+        self._src: Any = tokens
+        self._n = len(tokens)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def chunk(self, start: int, stop: int) -> bytes:
+        """Canonical bytes (little-endian uint32) of ``tokens[start:stop]``, validated."""
+        part = self._src[start:stop]
+        if not isinstance(part, np.ndarray) and _FAST_U32:
+            try:  # C-speed conversion with range checks; errors re-diagnosed below
+                return array.array("I", part).tobytes()
+            except (OverflowError, TypeError):
+                pass
+        arr = part if isinstance(part, np.ndarray) else np.asarray(part)
+        if arr.size == 0:
+            return b""
+        if arr.ndim != 1:
+            raise TokenError(
+                f"tokens must be 1-D (one sequence), got a nested element near {start}"
+            )
+        if arr.dtype.kind not in "iu":
+            raise TokenError(f"tokens must be integers, got {arr.dtype} near position {start}")
+        if arr.dtype != _TOKEN_DTYPE:
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0:
+                raise TokenError(f"token ids must be non-negative, found {lo}")
+            if hi >= 2**32:
+                raise TokenError(f"token ids must be < 2**32, found {hi}")
+        return arr.astype(_TOKEN_DTYPE, copy=False).tobytes()
+
+
+_CHUNK_BLOCKS = 16
+
+
+def iter_keys(ns: Namespace, tokens: TokenIds) -> Iterator[BlockKey]:
+    """Yield the keys of the full blocks of ``tokens``.
+
+    Lazy: a caller that stops at the first miss pays for the matched blocks plus at most one
+    chunk of ``16`` blocks of conversion and one block of hashing.
     """
     bt = ns.layout.block_tokens
     parent = ns.root
     secret = ns.secret[:64]
-    raw = tokens.tobytes()
     step = bt * _TOKEN_DTYPE.itemsize
-    for off in range(0, (len(tokens) // bt) * step, step):
-        h = hashlib.blake2b(parent, digest_size=KEY_BYTES, key=secret)
-        h.update(raw[off : off + step])
-        parent = h.digest()
-        yield BlockKey(parent)
+    full = len(tokens) // bt
+    blake2b = hashlib.blake2b
+    for first in range(0, full, _CHUNK_BLOCKS):
+        last = min(full, first + _CHUNK_BLOCKS)
+        raw = tokens.chunk(first * bt, last * bt)
+        for off in range(0, len(raw), step):
+            parent = blake2b(
+                parent + raw[off : off + step], digest_size=KEY_BYTES, key=secret
+            ).digest()
+            yield BlockKey(parent)
 
 
 def block_keys(ns: Namespace, tokens: Any) -> list[BlockKey]:
     """All full-block keys of ``tokens`` (validating them)."""
-    return list(iter_keys(ns, as_tokens(tokens)))
+    return list(iter_keys(ns, TokenIds(tokens)))
 
 
 def key_hex(key: bytes | Sequence[int]) -> str:

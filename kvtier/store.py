@@ -32,12 +32,10 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from kvtier.config import StoreConfig
 from kvtier.errors import ConfigError, LayoutError
 from kvtier.index import BlockIndex
-from kvtier.keys import BlockKey, Namespace, as_tokens, iter_keys
+from kvtier.keys import BlockKey, Namespace, TokenIds, iter_keys
 from kvtier.kvarray import host_array
 from kvtier.layout import KVLayout
 from kvtier.metrics import MeteredTier, enable_prometheus
@@ -284,7 +282,7 @@ class TieredStore:
         return reads
 
     def _shared_extension(
-        self, ns: Namespace, toks: np.ndarray[Any, Any], have: int, limit: int
+        self, ns: Namespace, toks: TokenIds, have: int, limit: int
     ) -> list[_Read]:
         """Blocks after the first ``have`` found in shared tiers (one round trip per tier)."""
         if not self._shared or have >= limit:
@@ -299,18 +297,24 @@ class TieredStore:
     def lookup(self, tokens: Any, tenant: str | None = None) -> int:
         """How many leading tokens are cached (a multiple of ``block_tokens``). No side effects
         on the cache (only counters)."""
-        toks = as_tokens(tokens)
+        toks = TokenIds(tokens)
         ns = self.namespace(tenant)
         limit = len(toks) // self.layout.block_tokens
+        entries = self._index.entries
+        n = 0
         with self._lock:
-            n = len(self._readable_prefix(iter_keys(ns, toks), limit))
+            for key in islice(iter_keys(ns, toks), limit):
+                e = entries.get(key)
+                if e is None or not e.tiers:
+                    break
+                n += 1
             self._counters.lookups += 1
         n += len(self._shared_extension(ns, toks, n, limit))
         return n * self.layout.block_tokens
 
     def locate(self, tokens: Any, tenant: str | None = None) -> list[str]:
         """Name of the fastest tier holding each leading cached block."""
-        toks = as_tokens(tokens)
+        toks = TokenIds(tokens)
         ns = self.namespace(tenant)
         limit = len(toks) // self.layout.block_tokens
         with self._lock:
@@ -328,7 +332,7 @@ class TieredStore:
         the first tier is pinned full, the leading blocks that fit are stored.
         """
         self._check_open()
-        toks = as_tokens(tokens)
+        toks = TokenIds(tokens)
         arr = host_array(kv, self.layout, "kv")
         if arr.shape[2] > len(toks):
             raise LayoutError(
@@ -412,23 +416,35 @@ class TieredStore:
         are loaded. Tokens beyond ``n`` in ``out`` are unspecified. Only verified blocks count.
         """
         self._check_open()
-        toks = as_tokens(tokens)
+        toks = TokenIds(tokens)
         arr = host_array(out, self.layout, "out", writable=True)
         ns = self.namespace(tenant)
-        bt = self.layout.block_tokens
-        limit = min(len(toks), arr.shape[2]) // bt
+        limit = min(len(toks), arr.shape[2]) // self.layout.block_tokens
+        done = 0
+        for _ in range(3):  # a block moved by a finishing demotion is re-read from its new tier
+            got, retry = self._load_pass(ns, toks, arr, done, limit)
+            done += got
+            if not retry or done >= limit:
+                break
+            self._engine.wait_idle(timeout=5.0)  # rare: let the move that raced us finish
+        return done * self.layout.block_tokens
+
+    def _load_pass(
+        self, ns: Namespace, toks: TokenIds, arr: Array, first: int, limit: int
+    ) -> tuple[int, bool]:
+        """Load blocks ``first..`` into ``arr``; return (blocks loaded, worth retrying)."""
         self._poll()
         with self._lock:
-            reads = self._readable_prefix(iter_keys(ns, toks), limit)
+            reads = self._readable_prefix(islice(iter_keys(ns, toks), first, None), limit - first)
             self._index.pin([r.key for r in reads])
-        reads += self._shared_extension(ns, toks, len(reads), limit)
-        views = self._views(arr, len(reads))
+        reads += self._shared_extension(ns, toks, first + len(reads), limit)
+        views = self._views(arr, len(reads), first)
         ok = self._read_blocks(reads, views, ns.owner)
         n = ok.index(False) if False in ok else len(ok)
-        promote = self._finish_load(reads, ok, n, ns)
+        promote, retry = self._finish_load(reads, ok, n, ns)
         if promote:
             self._promote([reads[i] for i in promote], [views[i] for i in promote], ns.owner)
-        return n * bt
+        return n, retry
 
     def _read_blocks(self, reads: list[_Read], views: list[Array], owner: str) -> list[bool]:
         ok: list[bool] = []
@@ -452,15 +468,26 @@ class TieredStore:
             start = end
         return ok
 
-    def _finish_load(self, reads: list[_Read], ok: list[bool], n: int, ns: Namespace) -> list[int]:
-        """Unpin, drop invalid blocks, refresh policies; return positions to promote."""
+    def _finish_load(
+        self, reads: list[_Read], ok: list[bool], n: int, ns: Namespace
+    ) -> tuple[list[int], bool]:
+        """Unpin, drop invalid blocks, refresh policies; return (positions to promote, retry)."""
         idx = self._index
         bt = self.layout.block_tokens
+        retry = False
         with self._lock:
             idx.unpin([r.key for r in reads if r.pinned])
-            if n < len(reads) and reads[n].pinned:  # the index said present: lost or corrupt
-                idx.drop(reads[n].key, reads[n].tier)
-                self._counters.invalid_blocks += 1
+            if n < len(reads) and reads[n].pinned:
+                failed = reads[n]
+                e = idx.entries.get(failed.key)
+                if e is not None and e.pending & ~e.tiers:
+                    retry = True  # being moved right now: the index catches up on poll
+                elif e is not None and e.tiers & ~(1 << failed.tier):
+                    idx.drop(failed.key, failed.tier)
+                    retry = True  # another tier still holds a copy
+                else:  # the index said present: lost or corrupt
+                    idx.drop(failed.key, failed.tier)
+                    self._counters.invalid_blocks += 1
             by_tier: dict[int, list[BlockKey]] = {}
             for r in reads[:n]:
                 by_tier.setdefault(r.tier, []).append(r.key)
@@ -471,7 +498,7 @@ class TieredStore:
             for cnt in (self._counters, self._tc(ns)):
                 cnt.hit_tokens += n * bt
                 cnt.miss_tokens += max(0, len(reads) - n) * bt
-        return [i for i, r in enumerate(reads[:n]) if r.tier != 0]
+        return [i for i, r in enumerate(reads[:n]) if r.tier != 0], retry
 
     def _promote(self, reads: list[_Read], views: list[Array], owner: str) -> None:
         """Copy blocks just loaded from a lower tier into the first tier.
@@ -527,7 +554,7 @@ class TieredStore:
     def prefetch(self, tokens: Any, tenant: str | None = None) -> int:
         """Start bringing the cached prefix of ``tokens`` up into the first tier; return how
         many tokens' blocks were scheduled. Asynchronous: ``flush()`` waits for it."""
-        toks = as_tokens(tokens)
+        toks = TokenIds(tokens)
         ns = self.namespace(tenant)
         limit = len(toks) // self.layout.block_tokens
         self._poll()
@@ -551,7 +578,7 @@ class TieredStore:
     @contextlib.contextmanager
     def pin(self, tokens: Any, tenant: str | None = None) -> Iterator[int]:
         """Pin the cached prefix of ``tokens`` (no eviction while held); yields its length."""
-        toks = as_tokens(tokens)
+        toks = TokenIds(tokens)
         ns = self.namespace(tenant)
         with self._lock:
             reads = self._readable_prefix(iter_keys(ns, toks), len(toks))

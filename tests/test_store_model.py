@@ -39,6 +39,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 50), extra=prompts)
     def load_prompt(self, i: int, extra: list[int]) -> None:
         toks = self.seen[i % len(self.seen)] + extra
+        self.store.flush()  # background moves finishing between lookup and load may evict
         expect = self.store.lookup(toks)
         out = np.zeros(SMALL.kv_shape(len(toks)), SMALL.storage_dtype)
         n = self.store.load(toks, out)

@@ -1,0 +1,132 @@
+"""Keys, layouts, presets, config parsing and the planner's arithmetic."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtier.config import StoreConfig, parse_size
+from kvtier.errors import ConfigError, LayoutError, TokenError
+from kvtier.keys import Namespace, TokenIds, as_tokens, block_keys
+from kvtier.layout import KVLayout, canonical_dtype, load_presets, preset
+from kvtier.plan import make_plan
+
+LAY = KVLayout(2, 2, 4, "fp16", block_tokens=4)
+
+
+def ns(tenant: str = "t", **kw: object) -> Namespace:
+    return Namespace(tenant, "model", LAY, **kw)  # type: ignore[arg-type]
+
+
+def test_keys_are_chained_32_byte_digests() -> None:
+    a = block_keys(ns(), [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert len(a) == 2 and all(len(k) == 32 for k in a)  # only full blocks
+    b = block_keys(ns(), [1, 2, 3, 4, 5, 6, 7, 0])
+    assert a[0] == b[0] and a[1] != b[1]
+    c = block_keys(ns(), [0, 2, 3, 4, 5, 6, 7, 8])
+    assert c[1] != a[1]  # same tokens, different parent
+
+
+def test_keys_do_not_depend_on_input_type() -> None:
+    toks = [5, 6, 7, 8, 1, 2, 3, 4]
+    ref = block_keys(ns(), toks)
+    for form in (
+        np.array(toks, np.int64),
+        np.array(toks, np.uint32),
+        tuple(toks),
+        np.array([toks], np.int32),
+    ):
+        assert block_keys(ns(), form) == ref
+
+
+def test_namespaces_separate_tenants_models_layouts_and_secrets() -> None:
+    toks = list(range(8))
+    base = block_keys(ns(), toks)
+    assert block_keys(ns("other"), toks) != base
+    assert block_keys(Namespace("t", "model-2", LAY), toks) != base
+    assert (
+        block_keys(Namespace("t", "model", KVLayout(2, 2, 4, "bf16", block_tokens=4)), toks) != base
+    )
+    assert block_keys(ns(secret=b"s3cret"), toks) != base
+    g1 = block_keys(ns("a", share_group="g"), toks)
+    assert g1 == block_keys(ns("b", share_group="g"), toks)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [[1.0, 2.0], [True, False], [[1, 2]], [-1, 3, 4, 5], [2**32, 1, 2, 3], np.array([0.5]), "abcd"],
+)
+def test_bad_tokens_raise(bad: object) -> None:
+    with pytest.raises(TokenError):
+        block_keys(ns(), bad * 2 if isinstance(bad, list) else bad)
+
+
+def test_as_tokens_converts_to_uint32() -> None:
+    arr = as_tokens([1, 2, 3])
+    assert arr.dtype == np.dtype("<u4") and arr.tolist() == [1, 2, 3]
+    assert len(TokenIds(range(10))) == 10
+
+
+def test_layout_bytes_and_fingerprint() -> None:
+    llama = preset("llama-3.1-8b").layout("bf16")
+    assert llama.bytes_per_token == 128 * 1024
+    assert llama.block_bytes == 32 * 2**20
+    assert llama.layer_block_bytes * 32 == llama.block_bytes
+    gpt3 = preset("GPT-3-175B").layout("fp16")
+    assert gpt3.bytes_per_token == int(4.5 * 2**20)
+    assert gpt3.bytes_per_token * 32768 == 144 * 2**30
+    ds = preset("DeepSeek-V3").layout("fp16")
+    assert ds.kv_factor == 1 and ds.bytes_per_token == 61 * 576 * 2
+    assert llama.fingerprint != preset("llama-3.1-8b").layout("fp16").fingerprint
+    assert len(load_presets()) == 10
+
+
+def test_layout_validation() -> None:
+    with pytest.raises(LayoutError):
+        KVLayout(0, 1, 1)
+    with pytest.raises(LayoutError):
+        KVLayout(1, 1, 1, kv_factor=3)
+    with pytest.raises(ConfigError, match="unknown dtype"):
+        canonical_dtype("int4")
+    with pytest.raises(ConfigError, match="known"):
+        preset("no-such-model")
+    assert canonical_dtype("BF16") == "bfloat16" and canonical_dtype("fp8") == "float8"
+
+
+def test_parse_size() -> None:
+    assert parse_size("8GiB") == 8 * 2**30
+    assert parse_size("80GB") == 80 * 10**9
+    assert parse_size("1.5 MiB") == 1572864
+    assert parse_size(4096) == 4096
+    for bad in ("lots", "8XB", -1, True):
+        with pytest.raises(ConfigError):
+            parse_size(bad)  # type: ignore[arg-type]
+
+
+def test_config_validation_and_env_overrides() -> None:
+    raw = {
+        "store": {"model": "Llama-3.1-8B", "dtype": "bf16"},
+        "tiers": [{"kind": "host", "capacity": "1GiB"}],
+    }
+    cfg = StoreConfig.from_dict(raw, env={"KVTIER_POLICY": "lru", "KVTIER_TIER0_CAPACITY": "2GiB"})
+    assert cfg.policy == "lru" and cfg.tiers[0]["capacity"] == "2GiB"
+    assert cfg.layout.dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="unknown key"):
+        StoreConfig.from_dict({"store": {"model": "Llama-3.1-8B", "colour": 1}}, env={})
+    with pytest.raises(ConfigError, match="layers"):
+        StoreConfig.from_dict({"store": {"layers": 2}}, env={})
+    with pytest.raises(ConfigError, match="no tier #3"):
+        StoreConfig.from_dict(raw, env={"KVTIER_TIER3_CAPACITY": "1"})
+
+
+def test_plan_uses_the_kv_formula_not_parameter_count() -> None:
+    gpt3 = preset("GPT-3-175B")
+    plan = make_plan(gpt3.layout("fp16"), context_tokens=32768, params=gpt3.params)
+    assert plan.kv_bytes_total == 144 * 2**30
+    assert plan.wrong_formula_bytes > 1000 * plan.kv_bytes_total
+    # tensor parallel wider than the KV heads duplicates heads
+    llama = preset("Llama-3.1-70B").layout("fp16")
+    assert make_plan(llama, context_tokens=1, tp=8).kv_bytes_per_token == llama.bytes_per_token
+    p16 = make_plan(llama, context_tokens=1, tp=16)
+    assert p16.kv_bytes_per_token == 2 * llama.bytes_per_token
+    assert p16.kv_bytes_per_token_per_gpu == llama.bytes_per_token // 8
