@@ -186,3 +186,45 @@ def test_cuda_path_matches_reference() -> None:
     assert got.n_reused == 96
     assert got.tokens == ref.tokens
     assert torch.allclose(got.logits, ref.logits, rtol=0, atol=1e-4)
+
+
+def test_demo_sessions_are_identical_and_hit_both_tiers(tmp_path: Path) -> None:
+    import argparse
+
+    from rich.console import Console
+
+    from kvtier import demo_hf
+
+    parser = argparse.ArgumentParser()
+    demo_hf.add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--dir",
+            str(tmp_path / "nvme"),
+            "--sessions",
+            "2",
+            "--turns",
+            "2",
+            "--new-tokens",
+            "2",
+            "--host-blocks",
+            "6",
+        ]
+    )
+    console = Console(record=True, width=200)
+    assert demo_hf.run_demo(console, args) == 0
+    text = console.export_text()
+    assert "nvmex" in text and "hostx" in text
+
+
+@pytest.mark.slow
+def test_bench_ttft_smoke(tmp_path: Path) -> None:
+    import argparse
+
+    from kvtier.bench import ttft
+
+    parser = argparse.ArgumentParser()
+    ttft.add_arguments(parser)
+    res = ttft.run(parser.parse_args(["--lengths", "512", "--repeat", "1", "--dir", str(tmp_path)]))
+    assert res["identical"] is True
+    assert res["reused_nvme_tokens@512"] == 512
