@@ -54,7 +54,9 @@ def pack_header(
 
 def unpack_header(buf: bytes | memoryview | Array) -> Header | None:
     """Parse a header; ``None`` if it is not a kvtier header of this format version."""
-    raw = bytes(memoryview(buf)[:HEADER_BYTES]) if not isinstance(buf, bytes) else buf
+    if isinstance(buf, np.ndarray):
+        buf = buf.data
+    raw = bytes(buf[:HEADER_BYTES]) if not isinstance(buf, bytes) else buf
     if len(raw) < HEADER.size:
         return None
     magic, version, flags, fp, key, plen, csum = HEADER.unpack_from(raw)
@@ -75,7 +77,7 @@ def header_matches(h: Header | None, key: bytes, fingerprint: bytes, payload_len
 
 def checksum(buf: bytes | memoryview | Array) -> int:
     """xxh3_64 of a contiguous buffer."""
-    return int(xxhash.xxh3_64_intdigest(buf))
+    return int(xxhash.xxh3_64_intdigest(buf.data if isinstance(buf, np.ndarray) else buf))
 
 
 def _planes(a: Array) -> Iterator[Array]:
@@ -110,7 +112,7 @@ def copy_in(dst: Array, src: Array) -> int:
         n = chunk.nbytes
         part = flat[off : off + n]
         np.copyto(part.view(chunk.dtype).reshape(chunk.shape), chunk, casting="no")
-        h.update(part)
+        h.update(part.data)
         off += n
     return int(h.intdigest())
 
@@ -129,6 +131,6 @@ def copy_out(dst: Array, src: Array) -> int:
         n = chunk.nbytes
         part = flat[off : off + n]
         np.copyto(chunk, part.view(chunk.dtype).reshape(chunk.shape), casting="no")
-        h.update(part)
+        h.update(part.data)
         off += n
     return int(h.intdigest())
