@@ -22,22 +22,22 @@ caller mistakes raise (``LayoutError``, ``ConfigError``, and ``TierLockedError``
 process owns a directory).
 
 Thread-safety: all data methods may be called concurrently; ``close`` must not race them.
+
+Modules: this one moves bytes; ``nvme_device`` opens and tracks the directories,
+``nvme_index`` is the on-disk format and persisted index, ``nvme_check`` the integrity checker.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import mmap
-import os
 import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -47,46 +47,18 @@ from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey, key_hex
 from kvtier.layout import KVLayout
 from kvtier.tiers.base import Array, Tier, TierUsage
+from kvtier.tiers.nvme_device import Device, ODirectMode, StripedSlots
 from kvtier.tiers.nvme_index import (
-    SLOTS_FILE,
     DirIndex,
     DirMeta,
     SlotIO,
-    lock_directory,
     slot_bytes_for,
 )
-from kvtier.tiers.slots import SlotTable
 
 log = logging.getLogger(__name__)
 
-ODirectMode = Literal["auto", "always", "never"]
 _T = TypeVar("_T")
 _HB = codec.HEADER_BYTES
-
-
-class _Slots(SlotTable):
-    """``SlotTable`` plus what a persistent, multi-device tier needs."""
-
-    def restore(self, mapping: Mapping[BlockKey, int]) -> None:
-        """Install ``key -> slot`` entries read from disk (at open, before any other use)."""
-        with self._lock:
-            self._slots.update(mapping)
-            used = set(self._slots.values())
-            self._free = [s for s in range(self._capacity - 1, -1, -1) if s not in used]
-
-    def retire(self, key: BlockKey, slot: int) -> None:
-        """Abort a reserved write without returning its slot (its device failed)."""
-        with self._lock:
-            self._writing.discard(key)
-
-    def purge(self, on_device: Callable[[int], bool]) -> int:
-        """Unmap every key and free slot for which ``on_device(slot)``; return keys dropped."""
-        with self._lock:
-            gone = [k for k, s in self._slots.items() if on_device(s)]
-            for k in gone:
-                del self._slots[k]
-            self._free = [s for s in self._free if not on_device(s)]
-            return len(gone)
 
 
 class _Buf:
@@ -100,24 +72,12 @@ class _Buf:
         self.arr.fill(0)  # fault the pages in now, not on the first put
 
 
-@dataclass(slots=True)
-class _Device:
-    index: int
-    path: Path
-    n_slots: int
-    fd: int = -1
-    lock_fd: int = -1
-    dindex: DirIndex | None = None
-    direct: bool = False
-    failed: str = ""
-
-
 class _Job(NamedTuple):
     i: int  # position in the caller's batch
     key: BlockKey
     data: Array  # the caller's block (put) or destination (get)
     slot: int  # global slot
-    dev: _Device
+    dev: Device
 
 
 class NVMeTier(Tier):
@@ -155,18 +115,22 @@ class NVMeTier(Tier):
         self._closed = False
         self._fail_lock = threading.Lock()
         nd = len(paths)
-        self._devs = [_Device(d, Path(p), len(range(d, n, nd))) for d, p in enumerate(paths)]
-        self._table = _Slots(n)
+        self._devs = [Device(d, Path(p), len(range(d, n, nd))) for d, p in enumerate(paths)]
+        self._table = StripedSlots(n)
         self._checksums = np.zeros(n, dtype=np.uint64)
         nw = max(1, min(workers, staging_bytes // self.slot_bytes))
         self._staging: queue.SimpleQueue[_Buf] = queue.SimpleQueue()
         for _ in range(nw):
             self._staging.put(_Buf(self.slot_bytes))
         self._pool = ThreadPoolExecutor(max_workers=nw, thread_name_prefix="kvtier-nvme")
+        meta = DirMeta(self._fp.hex(), self.block_bytes, self.slot_bytes, 0)
         try:
             restored: dict[BlockKey, int] = {}
             for dev in self._devs:
-                self._open_device(dev, warm_restart, o_direct)
+                try:
+                    dev.open(meta, warm_restart, o_direct, self._io)
+                except OSError as exc:
+                    self._fail(dev, "open", exc)
                 if dev.dindex is not None:
                     for local, (key, csum) in dev.dindex.entries.items():
                         g = local * nd + dev.index
@@ -209,52 +173,6 @@ class NVMeTier(Tier):
             o_direct=mode,  # type: ignore[arg-type]
             workers=int(spec.get("workers", 4)),
         )
-
-    # -- opening -----------------------------------------------------------------------------
-    def _open_device(self, dev: _Device, warm: bool, o_direct: ODirectMode) -> None:
-        try:
-            dev.path.mkdir(parents=True, exist_ok=True)
-            dev.lock_fd = lock_directory(dev.path)
-            meta = DirMeta(self._fp.hex(), self.block_bytes, self.slot_bytes, dev.n_slots)
-            old = DirMeta.read(dev.path)
-            if warm and old is not None and not old.compatible(meta):
-                log.warning(
-                    "nvme tier: %s holds blocks of another layout; starting it empty", dev.path
-                )
-            fresh = not warm or old is None or not old.compatible(meta)
-            meta.write(dev.path)
-            path = str(dev.path / SLOTS_FILE)
-            fd = self._io.open(path, os.O_RDWR | os.O_CREAT)
-            try:
-                self._io.allocate(fd, dev.n_slots * self.slot_bytes)
-            finally:
-                os.close(fd)
-            dev.fd, dev.direct = self._open_slots(path, o_direct)
-            dev.dindex = DirIndex(dev.path, dev.n_slots, self._io, fresh=fresh)
-        except OSError as exc:
-            self._fail(dev, "open", exc)
-
-    def _open_slots(self, path: str, o_direct: ODirectMode) -> tuple[int, bool]:
-        """Open the slot file with O_DIRECT if the filesystem takes it (probed by a read).
-
-        Any refusal of the O_DIRECT open or probe (EINVAL on tmpfs and some network or FUSE
-        filesystems) falls back to buffered I/O; the plain open then reports real faults.
-        """
-        if o_direct != "never":
-            fd = -1
-            try:
-                fd = self._io.open(path, os.O_RDWR | os.O_DIRECT)
-                self._io.pread(fd, memoryview(mmap.mmap(-1, 4096)), 0)
-                return fd, True
-            except OSError as exc:
-                if fd >= 0:
-                    os.close(fd)
-                if o_direct == "always":
-                    raise ConfigError(
-                        f"nvme tier o_direct='always' but {path} refuses O_DIRECT ({exc}); "
-                        f"use o_direct='auto' or another filesystem"
-                    ) from None
-        return self._io.open(path, os.O_RDWR), False
 
     # -- queries -----------------------------------------------------------------------------
     @property
@@ -383,24 +301,13 @@ class NVMeTier(Tier):
         self._closed = True
         self._pool.shutdown(wait=True)
         for dev in self._devs:
-            if dev.dindex is not None:
-                try:
-                    dev.dindex.close(compact=not dev.failed)
-                except OSError as exc:
-                    log.error(
-                        "nvme tier: %s: could not save the index on close (%s)", dev.path, exc
-                    )
-                dev.dindex = None
-            for fd in (dev.fd, dev.lock_fd):
-                if fd >= 0:
-                    os.close(fd)
-            dev.fd = dev.lock_fd = -1
+            dev.close()
 
     # -- internals ---------------------------------------------------------------------------
-    def _dev(self, slot: int) -> _Device:
+    def _dev(self, slot: int) -> Device:
         return self._devs[slot % len(self._devs)]
 
-    def _on(self, dev: _Device) -> Callable[[int], bool]:
+    def _on(self, dev: Device) -> Callable[[int], bool]:
         nd, d = len(self._devs), dev.index
         return lambda s: s % nd == d
 
@@ -412,25 +319,16 @@ class NVMeTier(Tier):
         return [f.result() for f in futures]
 
     @staticmethod
-    def _index(dev: _Device) -> DirIndex:
+    def _index(dev: Device) -> DirIndex:
         assert dev.dindex is not None, "a device without an index is marked failed"
         return dev.dindex
 
-    def _ready(self, jobs: Sequence[_Job]) -> list[_Device]:
+    def _ready(self, jobs: Sequence[_Job]) -> list[Device]:
         """The devices of ``jobs`` that are healthy and whose slot file still exists."""
         devs = {j.dev.index: j.dev for j in jobs}.values()
-        return [
-            d
-            for d in devs
-            if not d.failed and self._guard(d, "stat", partial(self._check_linked, d))
-        ]
+        return [d for d in devs if not d.failed and self._guard(d, "stat", d.check_linked)]
 
-    @staticmethod
-    def _check_linked(dev: _Device) -> None:
-        if os.fstat(dev.fd).st_nlink == 0:
-            raise OSError(errno.ENOENT, "slot file or directory was removed")
-
-    def _guard(self, dev: _Device, what: str, fn: Callable[[], object]) -> bool:
+    def _guard(self, dev: Device, what: str, fn: Callable[[], object]) -> bool:
         """Run ``fn``; on ``OSError`` mark ``dev`` failed and return False."""
         try:
             fn()
@@ -439,7 +337,7 @@ class NVMeTier(Tier):
             self._fail(dev, what, exc)
             return False
 
-    def _fail(self, dev: _Device, what: str, exc: OSError) -> None:
+    def _fail(self, dev: Device, what: str, exc: OSError) -> None:
         with self._fail_lock:
             if dev.failed:
                 return
