@@ -17,8 +17,9 @@ the payload goes straight from / into the caller's array and only the 64-byte he
 (its checksum is one xxh3 pass over the payload). Strided buffers and encrypted blocks go
 through a staging arena registered with the transfer engine once, at construction (one fused
 copy+checksum). Contiguous caller buffers are registered with the transfer engine for the
-duration of each call (measured: ~15 us per buffer over TCP, and markedly faster transfers
-than from unregistered memory).
+duration of each call (transfers from unregistered memory are markedly slower), unless they lie
+in a long-lived buffer the owner registered once with ``register`` (a host arena, an engine's KV
+pool): that saves the per-call registration, ~15% of a 4 MiB transfer over TCP.
 
 Mooncake behaviours this tier is built around:
 
@@ -182,6 +183,7 @@ class MooncakeTier(Tier):
         self.breaker = CircuitBreaker(f"mooncake tier ({master})", cooldown_s)
         self._lock = threading.Lock()
         self._written: dict[tuple[str, BlockKey], None] = {}
+        self._pinned: dict[int, int] = {}  # buffers registered by register(): ptr -> bytes
         self._closed = False
         self._client: Any = None
         self._replicate: Any = None
@@ -275,6 +277,37 @@ class MooncakeTier(Tier):
     def _names(self, keys: Sequence[BlockKey], tenant: str) -> list[str]:
         base = f"{self.prefix}/{tenant_token(tenant)}/"
         return [base + k.hex() for k in keys]
+
+    def register(self, buf: Array) -> bool:
+        """Register a long-lived buffer (a host arena, an engine's KV pool) with the transfer
+        engine until ``unregister``/``close``. Blocks inside it then move without the per-call
+        registration (which costs ~15% of a 4 MiB transfer over TCP). ``False`` if refused.
+
+        The caller keeps ``buf`` alive while it is registered.
+        """
+        ptr, n = int(buf.ctypes.data), int(buf.nbytes)
+        client = self._client
+        if client is None or n == 0 or client.register_buffer(ptr, n) != 0:
+            return False
+        with self._lock:
+            self._pinned[ptr] = n
+        return True
+
+    def unregister(self, buf: Array) -> None:
+        """Undo ``register`` (idempotent)."""
+        ptr = int(buf.ctypes.data)
+        with self._lock:
+            known = self._pinned.pop(ptr, None) is not None
+        if known and self._client is not None:
+            self._client.unregister_buffer(ptr)
+
+    def _register_for_call(self, client: Any, ptr: int, n: int, registered: list[int]) -> None:
+        """Register ``[ptr, ptr+n)`` for one call unless a ``register``ed buffer covers it."""
+        with self._lock:
+            if any(p <= ptr and ptr + n <= p + size for p, size in self._pinned.items()):
+                return
+        if client.register_buffer(ptr, n) == 0:
+            registered.append(ptr)
 
     @property
     def client(self) -> Any:
@@ -414,8 +447,7 @@ class MooncakeTier(Tier):
                     hdr = codec.pack_header(key, fp, n, codec.checksum(flat))
                     st.view(slot, h)[:] = np.frombuffer(hdr, np.uint8)
                     ptr = int(flat.ctypes.data)
-                    if client.register_buffer(ptr, n) == 0:
-                        registered.append(ptr)
+                    self._register_for_call(client, ptr, n, registered)
                     ptrs.append([st.ptr(slot), ptr])
                     sizes.append([h, n])
                     continue
@@ -489,8 +521,7 @@ class MooncakeTier(Tier):
             direct.append(flat)
             if flat is not None:
                 ptr = int(flat.ctypes.data)
-                if client.register_buffer(ptr, n) == 0:
-                    registered.append(ptr)
+                self._register_for_call(client, ptr, n, registered)
                 ptrs.append([st.ptr(slot), ptr])
                 sizes.append([h, n])
             else:
@@ -565,5 +596,7 @@ class MooncakeTier(Tier):
             self._closed = True
             client, self._client = self._client, None
         if client is not None:
-            client.unregister_buffer(self._staging.base)
+            for ptr in [self._staging.base, *self._pinned]:
+                client.unregister_buffer(ptr)
+            self._pinned.clear()
             client.close()
