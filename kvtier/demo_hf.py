@@ -24,9 +24,13 @@ from rich.console import Console
 from rich.table import Table
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser, shared: bool = True) -> None:
+    """Add the demo's options; ``shared=False`` leaves out ``--dir`` and ``--seed`` for a caller
+    (``kvtier demo``) that defines them itself."""
     p.add_argument("--model", default=None, help="local checkpoint directory (default: random)")
-    p.add_argument("--dir", default=".kvtier/demo-hf", help="NVMe tier directory (wiped)")
+    if shared:
+        p.add_argument("--dir", default=".kvtier/demo", help="NVMe tier under DIR/hf (wiped)")
+        p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sessions", type=int, default=3)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=8, help="tokens generated per turn")
@@ -34,7 +38,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-blocks", type=int, default=16, help="host tier size in blocks")
     p.add_argument("--nvme-blocks", type=int, default=1024, help="NVMe tier size in blocks")
     p.add_argument("--attn", default="kvtier_exact", choices=["kvtier_exact", "sdpa", "eager"])
-    p.add_argument("--seed", type=int, default=0)
 
 
 def _build(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -65,7 +68,7 @@ def run_demo(console: Console, args: argparse.Namespace) -> int:
     vocab = int(model.config.vocab_size)
     layout = hf_cache.model_layout(model, args.block_tokens)
     rng = np.random.default_rng(args.seed)
-    d = Path(args.dir)
+    d = Path(args.dir) / "hf"
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     system = _messages(tok, vocab, rng, 192, "You are a careful assistant. " * 12)
