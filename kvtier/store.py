@@ -87,6 +87,7 @@ class TieredStore:
         share_group: str | None = None,
         demote_queue: int = 16,
         metrics_port: int | None = None,
+        persist_on_close: bool = True,
     ) -> None:
         if not tiers:
             raise ConfigError("TieredStore needs at least one tier (e.g. a host tier)")
@@ -114,6 +115,7 @@ class TieredStore:
         self._counters = _Counters()
         self._tenant_counters: dict[str, _Counters] = {}
         self._closed = False
+        self._persist_on_close = persist_on_close
         if metrics_port is not None:
             enable_prometheus(metrics_port)
         for i in self._local:
@@ -412,14 +414,22 @@ class TieredStore:
         """Fill ``out[:, :, :n]`` with the cached prefix of ``tokens``; return ``n`` (tokens).
 
         ``out`` is a writable host array ``[layers, kv_factor, m, kv_heads, head_dim]`` in the
-        layout's storage dtype (or a CPU torch tensor); at most ``min(m, len(tokens))`` tokens
-        are loaded. Tokens beyond ``n`` in ``out`` are unspecified. Only verified blocks count.
+        layout's storage dtype (or a CPU torch tensor) with room for every full block of
+        ``tokens`` (``LayoutError`` otherwise). Tokens beyond ``n`` in ``out`` are unspecified.
+        Only verified blocks count.
         """
         self._check_open()
         toks = TokenIds(tokens)
         arr = host_array(out, self.layout, "out", writable=True)
         ns = self.namespace(tenant)
-        limit = min(len(toks), arr.shape[2]) // self.layout.block_tokens
+        bt = self.layout.block_tokens
+        if arr.shape[2] < len(toks) // bt * bt:
+            raise LayoutError(
+                f"out holds {arr.shape[2]} tokens but the {len(toks)} tokens given cover "
+                f"{len(toks) // bt * bt} tokens of full blocks; pass a larger out or "
+                f"tokens[:{arr.shape[2]}]"
+            )
+        limit = len(toks) // bt
         done = 0
         for _ in range(3):  # a block moved by a finishing demotion is re-read from its new tier
             got, retry = self._load_pass(ns, toks, arr, done, limit)
@@ -616,11 +626,44 @@ class TieredStore:
         if self._closed:
             raise RuntimeError("TieredStore is closed")
 
+    def _persist_volatile(self) -> None:
+        """Copy blocks held only in volatile local tiers down to the first persistent local
+        tier (most recently used first, evicting its coldest blocks if needed), so a warm
+        restart finds what this process had cached."""
+        target = next((i for i in self._local if self.tiers[i].persistent), None)
+        if target is None or not self.tiers[target].healthy:
+            return
+        idx = self._index
+        keep = 1 << target
+        with self._lock:
+            by_src: dict[int, list[BlockKey]] = {}
+            for key, e in idx.entries.items():
+                src = e.best_tier()
+                if src >= 0 and src < target and not (e.tiers | e.pending) & keep and not e.pins:
+                    by_src.setdefault(src, []).append(key)
+            moves: list[Move] = []
+            for src, keys in by_src.items():
+                keys = keys[-max(0, self.tiers[target].capacity_blocks) :]
+                room = idx.plan_room(target, len(keys))
+                if room is None:
+                    continue
+                if room:
+                    self._plan_eviction(target, room, moves)
+                for k in keys:
+                    idx.begin_write(k, target)
+                idx.pin(keys)
+                moves.append(Move(src, target, keys, [""] * len(keys), delete_src=False))
+        self._submit("demote", moves)
+        self.flush()
+
     def close(self) -> None:
-        """Finish pending moves, stop workers, close tiers. Idempotent."""
+        """Finish pending moves, write volatile blocks down to the persistent tier (if any,
+        and ``persist_on_close``), stop workers, close tiers. Idempotent."""
         if self._closed:
             return
         self.flush()
+        if self._persist_on_close:
+            self._persist_volatile()
         self._engine.close()
         self._closed = True
         for t in self.tiers:

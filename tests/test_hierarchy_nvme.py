@@ -154,3 +154,14 @@ def test_nvme_directory_lost_mid_run_keeps_serving(tmp_path: Path) -> None:
         assert not st.tiers[1].healthy
         n, out = loaded(st, PROMPTS[-1])
         assert n == 8 and same(out, kv_for(PROMPTS[-1]))
+
+
+def test_close_writes_host_only_blocks_down_for_a_warm_restart(tmp_path: Path) -> None:
+    toks = list(range(16))  # 4 blocks, all fit in the host tier: nothing demoted while running
+    with nvme_store(tmp_path, host_blocks=8) as st:
+        st.store(toks, kv_for(toks))
+        assert st.locate(toks) == ["host"] * 4
+    with nvme_store(tmp_path, host_blocks=8) as again:
+        assert again.locate(toks) == ["nvme"] * 4
+        n, out = loaded(again, toks)
+        assert n == 16 and same(out, kv_for(toks))

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvtier.errors import ConfigError, LayoutError, TokenError
+from kvtier.store import TieredStore
 from kvtier.tiers.host import HostTier
 from tests.helpers import SMALL, host_store, kv_for
 
@@ -184,3 +186,51 @@ def test_concurrent_store_and_load_on_overlapping_prefixes() -> None:
             t.join()
         st.flush()
     assert errors == []
+
+
+def test_out_buffer_too_small_is_rejected() -> None:
+    toks = list(range(12))
+    with host_store() as st:
+        st.store(toks, kv_for(toks))
+        with pytest.raises(LayoutError, match="out holds 8 tokens"):
+            st.load(toks, np.zeros(SMALL.kv_shape(8), SMALL.storage_dtype))
+        out = np.zeros(SMALL.kv_shape(8), SMALL.storage_dtype)
+        assert st.load(toks[:8], out) == 8
+
+
+def test_store_from_toml_file_with_env_override(tmp_path: Path) -> None:
+    cfg = tmp_path / "kvtier.toml"
+    cfg.write_text(
+        '[store]\nlayers = 2\nkv_heads = 2\nhead_dim = 4\ndtype = "fp16"\nblock_tokens = 4\n'
+        'tenant = "acme"\n\n[[tiers]]\nkind = "host"\ncapacity = "1MiB"\n'
+    )
+    with TieredStore.from_config(cfg, env={"KVTIER_TIER0_CAPACITY": "64KiB"}) as st:
+        assert st.layout == SMALL
+        assert st.tiers[0].capacity_blocks == 64 * 1024 // SMALL.block_bytes
+        toks = list(range(8))
+        st.store(toks, kv_for(toks))
+        assert st.stats()["tenants"]["acme"]["stored_tokens"] == 8
+    (tmp_path / "bad.toml").write_text("[store]\nlayers = 2\n[[tiers]]\nkind = 'host'\nsize = 1\n")
+    with pytest.raises(ConfigError):
+        TieredStore.from_config(tmp_path / "bad.toml")
+
+
+def test_stats_per_tier_and_tenant_and_prometheus() -> None:
+    from prometheus_client import REGISTRY
+
+    toks = list(range(8))
+    with host_store(metrics_port=0) as st:
+        st.store(toks, kv_for(toks), tenant="t1")
+        out = np.zeros(SMALL.kv_shape(8), SMALL.storage_dtype)
+        st.load(toks, out, tenant="t1")
+        st.lookup(list(range(100, 108)), tenant="t2")
+        s = st.stats()
+        host = s["tiers"]["host"]
+        assert host["hits"] == 2 and host["bytes_read"] == 2 * SMALL.block_bytes
+        assert host["tenants"]["t1"]["puts"] == 2
+        assert s["tenants"]["t1"]["hit_tokens"] == 8
+        assert s["store"]["token_hit_ratio"] == 1.0
+    hits = REGISTRY.get_sample_value(
+        "kvtier_blocks_total", {"tier": "host", "tenant": "t1", "op": "hit"}
+    )
+    assert hits is not None and hits >= 2
