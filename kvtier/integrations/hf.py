@@ -36,7 +36,7 @@ the store's at every entry (``LayoutError`` on a mismatch) before anything is lo
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -75,7 +75,6 @@ class Generation:
     sources: tuple[str, ...] = ()
     load_s: float = 0.0
     stored_tokens: int = 0  # tokens written to the store (prompt and generated blocks)
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 def input_tensor(model: Any, input_ids: Any) -> tuple[torch.Tensor, Tokens]:
@@ -177,6 +176,7 @@ def generate_with_cache(
     """
     if store_generated not in ("exact", "decode", "none"):
         raise ConfigError(f"store_generated must be exact, decode or none, got {store_generated!r}")
+    _check_new_tokens(max_new_tokens)
     t0 = time.perf_counter()
     ids, tokens = input_tensor(model, input_ids)
     pre = load_prefix(model, store, tokens, min_recompute=min_recompute, tenant=tenant)
@@ -204,6 +204,7 @@ def generate_reference(
 ) -> Generation:
     """Plain greedy generation without kvtier: one forward over the whole prompt, then one
     decode step per token -- what ``model.generate(do_sample=False)`` computes."""
+    _check_new_tokens(max_new_tokens)
     t0 = time.perf_counter()
     ids, _ = input_tensor(model, input_ids)
     cache = hf_cache.new_cache(model)
@@ -217,8 +218,6 @@ def generate_reference(
 def _decode(
     model: Any, cache: DynamicCache, first: torch.Tensor, max_new: int, eos: int | None
 ) -> tuple[list[int], torch.Tensor]:
-    if max_new < 1:
-        raise ConfigError(f"max_new_tokens must be >= 1, got {max_new}")
     logits = [first]
     gen = [int(first.argmax())]
     while len(gen) < max_new and gen[-1] != eos:
@@ -227,6 +226,11 @@ def _decode(
         logits.append(nxt)
         gen.append(int(nxt.argmax()))
     return gen, torch.stack(logits).cpu()
+
+
+def _check_new_tokens(n: int) -> None:
+    if not isinstance(n, int) or n < 1:
+        raise ConfigError(f"max_new_tokens must be a positive integer, got {n!r}")
 
 
 def _recompute_tail(

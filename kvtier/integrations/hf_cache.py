@@ -104,14 +104,14 @@ def cache_from_kv(model: Any, kv: torch.Tensor, n_tokens: int) -> DynamicCache:
     if n_tokens == 0:
         return cache
     device = model_device(model)
-    blocking = not (device.type == "cuda" and kv.is_pinned())
+    async_copy = device.type == "cuda" and kv.is_pinned()
     for i, layer in enumerate(_layers(cache)):
-        k = kv[i, 0, :n_tokens].permute(1, 0, 2).unsqueeze(0)
-        v = kv[i, 1, :n_tokens].permute(1, 0, 2).unsqueeze(0)
-        layer.update(
-            k.to(device, non_blocking=not blocking).contiguous(),
-            v.to(device, non_blocking=not blocking).contiguous(),
-        )
+        # K and V of one layer are each contiguous in the host buffer: one plain (asynchronous
+        # from pinned memory) copy each, then the [tokens, heads] -> [heads, tokens] transpose
+        # happens on the device inside the cache's own concatenation.
+        k = kv[i, 0, :n_tokens].to(device, non_blocking=async_copy)
+        v = kv[i, 1, :n_tokens].to(device, non_blocking=async_copy)
+        layer.update(k.permute(1, 0, 2).unsqueeze(0), v.permute(1, 0, 2).unsqueeze(0))
     return cache
 
 
