@@ -127,6 +127,25 @@ def test_prefix_of_a_long_prompt_in_one_call(tier: MooncakeTier) -> None:
     assert tier.contains_prefix(keys) == 300
 
 
+def test_blocks_in_a_registered_arena_roundtrip(tier: MooncakeTier) -> None:
+    """Slots of a buffer registered once (as a host arena would be) move without per-call
+    registration; a buffer outside it still works; unregister is idempotent."""
+    lay = tier.layout
+    arena = np.zeros((4, *lay.block_shape), dtype=np.float16)
+    assert tier.register(arena)
+    keys = [rand_key() for _ in range(2)]
+    arena[0], arena[1] = rand_block(seed=1), rand_block(seed=2)
+    assert tier.put(keys, [arena[0], arena[1]]) == [True, True]
+    assert tier.get_into(keys, [arena[2], arena[3]]) == [True, True]
+    assert arena[2].tobytes() == arena[0].tobytes() and arena[3].tobytes() == arena[1].tobytes()
+    outside = empty_block()
+    assert tier.get_into(keys[:1], [outside]) == [True]
+    assert outside.tobytes() == arena[0].tobytes()
+    tier.unregister(arena)
+    tier.unregister(arena)
+    assert tier.get_into(keys[1:], [arena[2]]) == [True]
+
+
 def test_full_pool_evicts_silently(tmp_path: Path) -> None:
     """A 16 MiB pool takes 40 x 1 MiB blocks: puts that find no room say False, evicted blocks
     are misses, and every hit is byte-identical."""
