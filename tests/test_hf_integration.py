@@ -229,3 +229,27 @@ def test_bench_ttft_smoke(tmp_path: Path) -> None:
     res = ttft.run(parser.parse_args(["--lengths", "512", "--repeat", "1", "--dir", str(tmp_path)]))
     assert res["identical"] is True
     assert res["reused_nvme_tokens@512"] == 512
+
+
+def test_exact_attention_is_length_invariant_across_chunks() -> None:
+    from kvtier.integrations.exact_attention import exact_attention
+
+    gen = torch.Generator().manual_seed(0)
+    t, d = 600, 16  # crosses the 256-key and 512-query chunk boundaries
+    q = torch.randn(1, 4, t, d, generator=gen)
+    k = torch.randn(1, 2, t, d, generator=gen)
+    v = torch.randn(1, 2, t, d, generator=gen)
+    mod = torch.nn.Identity()
+    full, _ = exact_attention(mod, q, k, v, None, scaling=d**-0.5)  # [1, t, heads, d]
+    # numerically ordinary causal attention
+    kr, vr = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    mask = torch.full((t, t), -torch.inf).triu(1)
+    ref = torch.softmax(q @ kr.transpose(2, 3) * d**-0.5 + mask, -1) @ vr
+    assert torch.allclose(full, ref.transpose(1, 2), atol=1e-5)
+    # bitwise: a shorter pass (earlier request) and a suffix pass (cached prefix) agree
+    for n in (257, 300, 513, 530):
+        part, _ = exact_attention(mod, q[:, :, :n], k[:, :, :n], v[:, :, :n], None, scaling=d**-0.5)
+        assert torch.equal(part, full[:, :n]), n
+    for s in (100, 256, 520, 584):
+        part, _ = exact_attention(mod, q[:, :, s:], k, v, None, scaling=d**-0.5)
+        assert torch.equal(part, full[:, s:]), s

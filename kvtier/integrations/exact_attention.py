@@ -66,24 +66,26 @@ def exact_attention(
     # GQA without copying K/V: the query heads of one KV head become extra rows.
     qg = query.reshape(b, kv_heads, groups, q_len, d)
     out = torch.empty(b, kv_heads, groups, q_len, d, dtype=query.dtype, device=query.device)
-    kpos = torch.arange(n_chunks * KEY_CHUNK, device=query.device)
     for lo, hi in _query_chunks(q_len):
         rows = qg[:, :, :, lo:hi].reshape(b, kv_heads, groups * (hi - lo), d)
-        last = past + hi - 1  # absolute position of the chunk's last query
-        used = min(n_chunks, last // KEY_CHUNK + 1)
-        width = used * KEY_CHUNK
-        keys = key[:, :, : min(width, k_len)]
-        scores = torch.matmul(rows, keys.transpose(-1, -2)) * scale
-        if keys.shape[2] < width:
-            scores = torch.nn.functional.pad(scores, (0, width - keys.shape[2]), value=-torch.inf)
-        qpos = torch.arange(past + lo, past + hi, device=query.device).repeat(groups)
-        future = kpos[:width].unsqueeze(0) > qpos.unsqueeze(1)
-        scores = scores.masked_fill(future, -torch.inf)
+        first, last = past + lo, past + hi - 1  # absolute positions of the chunk's queries
+        used = min(n_chunks, last // KEY_CHUNK + 1)  # key chunks not entirely in the future
+        width = min(used * KEY_CHUNK, k_len)
+        scores = torch.matmul(rows, key[:, :, :width].transpose(-1, -2)).mul_(scale)
+        # only columns from the chunk's first query on can lie in some row's future
+        qpos = torch.arange(first, last + 1, device=query.device).repeat(groups)
+        cols = torch.arange(first, width, device=query.device)
+        scores[..., first:].masked_fill_(cols.unsqueeze(0) > qpos.unsqueeze(1), -torch.inf)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-        acc = torch.matmul(probs[..., :KEY_CHUNK], vpad[:, :, :KEY_CHUNK])
-        for j in range(1, used):
-            s = slice(j * KEY_CHUNK, (j + 1) * KEY_CHUNK)
-            acc = acc + torch.matmul(probs[..., s], vpad[:, :, s])
+        acc: torch.Tensor | None = None
+        for j in range(used):
+            k0 = j * KEY_CHUNK
+            p = probs[..., k0 : k0 + KEY_CHUNK]
+            if p.shape[-1] < KEY_CHUNK:  # the last chunk: zero-pad to the full chunk size
+                p = torch.nn.functional.pad(p, (0, KEY_CHUNK - p.shape[-1]))
+            part = torch.matmul(p, vpad[:, :, k0 : k0 + KEY_CHUNK])
+            acc = part if acc is None else acc.add_(part)
+        assert acc is not None
         out[:, :, :, lo:hi] = acc.reshape(b, kv_heads, groups, hi - lo, d)
     return out.reshape(b, heads, q_len, d).transpose(1, 2).contiguous(), None
 
