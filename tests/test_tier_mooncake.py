@@ -8,6 +8,7 @@ skipped by the circuit breaker -- each must read as misses, never as errors or w
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -348,3 +349,31 @@ def test_prefix_stored_by_node_a_loads_on_node_b(
 
     assert node("a") == f"stored {n}"
     assert node("b") == f"loaded {n} {n} True"
+
+
+def test_hung_master_costs_one_rpc_timeout() -> None:
+    """A master that stops answering (SIGSTOP) costs ``rpc_timeout_s`` once, then the breaker
+    answers misses at once; when it answers again the tier comes back."""
+    layout = KVLayout(2, 2, 8, "float16", block_tokens=16)
+    with start_or_skip(0) as cluster:
+        t = _tier(layout, cluster.address, segment_size=16 * MIB, cooldown_s=1.0, rpc_timeout_s=1.0)
+        pid = cluster.master.pid
+        assert pid is not None
+        try:
+            k = rand_key()
+            assert t.put([k], [rand_block(seed=1)]) == [True]
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                assert t.contains_prefix([k]) == 0
+                assert not t.healthy
+                assert t.get_into([k], [empty_block()]) == [False]  # skipped, no second wait
+                assert t.breaker.skipped >= 1
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            deadline = time.monotonic() + 30
+            while t.contains_prefix([k]) != 1:
+                assert time.monotonic() < deadline, "tier did not come back"
+                time.sleep(0.5)
+            assert t.healthy
+        finally:
+            t.close()

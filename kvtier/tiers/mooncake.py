@@ -27,8 +27,9 @@ Mooncake behaviours this tier is built around:
   content-addressed keys, so "already there" is success and nothing ever relies on overwrite.
 - The pool evicts silently when full (and refuses puts until it has): misses and ``False``.
 - A master restart without HA loses every key: misses, no exception; clients re-mount.
-- A dead master costs one RPC timeout (~4 s), then the circuit breaker skips the tier
-  (``healthy`` False, all misses) and lets one trial call through every ``cooldown_s``.
+- A dead master costs one failed RPC (~4 s to reconnect), a hung one ``rpc_timeout_s``; then
+  the circuit breaker skips the tier (``healthy`` False, all misses) and lets one trial call
+  through every ``cooldown_s``.
 - Objects carry a lease (default 10 s) after each put/get, so ``delete`` removes with ``force``;
   a reader racing a forced removal can only see bytes that fail verification (a miss).
 
@@ -70,14 +71,16 @@ log = logging.getLogger(__name__)
 OBJECT_NOT_FOUND = -704
 BUFFER_TOO_SMALL = -600  # the stored object is larger than our buffers: foreign
 TRANSFER_FAIL = -800
-RPC_FAIL = -900
+RPC_FAIL = -900  # master unreachable
+RPC_TIMEOUT = -901  # master hung or overloaded past rpc_timeout_s
 NO_SPACE = -200
 OBJECT_HAS_LEASE = -706
 LEASE_EXPIRED = -707
 _EXPECTED = frozenset(
     {OBJECT_NOT_FOUND, BUFFER_TOO_SMALL, TRANSFER_FAIL, NO_SPACE, OBJECT_HAS_LEASE, LEASE_EXPIRED}
 )
-_TRACK_MAX = 1 << 20  # keys remembered for usage(); the oldest are forgotten beyond this
+_TRACK_MAX = 1 << 20
+_ENV_LOCK = threading.Lock()  # keys remembered for usage(); the oldest are forgotten beyond this
 
 
 class _ServerDown(Exception):
@@ -155,6 +158,7 @@ class MooncakeTier(Tier):
         prefix: str = "kvtier",
         replicas: int = 1,
         cooldown_s: float = 5.0,
+        rpc_timeout_s: float = 5.0,
         sealer: BlockSealer | None = None,
         quotas: TenantQuotas | None = None,
     ) -> None:
@@ -165,6 +169,7 @@ class MooncakeTier(Tier):
             raise ConfigError(f"mooncake tier replicas must be >= 1, got {replicas}")
         self.master = master
         self.replicas = replicas
+        self.rpc_timeout_s = rpc_timeout_s
         self.prefix = prefix.strip("/") or "kvtier"
         self._setup_args = (
             local_hostname,
@@ -195,7 +200,9 @@ class MooncakeTier(Tier):
 
         Also ``metadata_server`` (default "P2PHANDSHAKE"), ``local_hostname`` (this node's
         address as other nodes reach it), ``rdma_devices``, ``buffer_size`` (staging arena),
-        ``prefix``, ``replicas``, ``cooldown_s`` and the security keys of ``tiers.secure``.
+        ``prefix``, ``replicas``, ``cooldown_s``, ``rpc_timeout_s`` (a hung master costs this
+        much per call; a dead one ~4 s, the client's connect timeout) and the security keys of
+        ``tiers.secure``.
         """
         section = "tiers.mooncake"
         allowed = {
@@ -226,6 +233,7 @@ class MooncakeTier(Tier):
             prefix=str(spec.get("prefix", "kvtier")),
             replicas=int(spec.get("replicas", 1)),
             cooldown_s=float(spec.get("cooldown_s", 5.0)),
+            rpc_timeout_s=float(spec.get("rpc_timeout_s", 5.0)),
             sealer=sealer,
             quotas=quotas,
         )
@@ -237,8 +245,10 @@ class MooncakeTier(Tier):
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")  # else ~20 x 4 s when down
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
-        client = MooncakeDistributedStore()
-        rc = client.setup(*self._setup_args)
+        with _ENV_LOCK:  # the client reads its RPC timeout from the environment at setup
+            os.environ["MC_RPC_TIMEOUT_MS"] = str(max(1, int(self.rpc_timeout_s * 1000)))
+            client = MooncakeDistributedStore()
+            rc = client.setup(*self._setup_args)
         if rc != 0:
             client.close()
             self.breaker.failed(_ServerDown(f"setup with master {self.master} returned {rc}"))
@@ -270,8 +280,8 @@ class MooncakeTier(Tier):
         """
         odd = [c for c in codes if c < 0 and c not in _EXPECTED]
         # health_check() reflects the client's last heartbeat, so it can still say 0 right
-        # after the master died; an RPC failure is taken at its word.
-        if odd and (RPC_FAIL in odd or self._client.health_check() != 0):
+        # after the master died; an RPC failure or timeout is taken at its word.
+        if odd and (RPC_FAIL in odd or RPC_TIMEOUT in odd or self._client.health_check() != 0):
             raise _ServerDown(f"master {self.master} unreachable (codes {sorted(set(odd))})")
 
     def _names(self, keys: Sequence[BlockKey], tenant: str) -> list[str]:
