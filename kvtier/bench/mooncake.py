@@ -96,7 +96,8 @@ def local_mooncake(pool_bytes: int) -> Iterator[str]:
         raise ConfigError(
             "mooncake_master not found: pip install mooncake-transfer-engine-non-cuda"
         )
-    workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-mooncake-"))
+    tmp = tempfile.TemporaryDirectory(prefix="kvtier-bench-mooncake-")
+    workdir = Path(tmp.name)
     port, holder_port = _free_port(), _free_port()
     procs: list[subprocess.Popen[bytes]] = []
     common = ["--logtostderr=true", "--minloglevel=1"]
@@ -127,6 +128,7 @@ def local_mooncake(pool_bytes: int) -> Iterator[str]:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(10)
+        tmp.cleanup()
 
 
 def gbps(nbytes: int, fn: Callable[[], list[Any]], want: object) -> float:
