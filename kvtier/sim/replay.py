@@ -15,6 +15,8 @@ Model (the same decisions ``TieredStore`` makes, with counters in place of a dat
 * **Eviction** makes room first: ``evict(need, evictable)`` on the tier's policy with the served
   request's blocks pinned (as the store pins in-flight blocks); victims are demoted to the next
   tier (in prefix order), whose policy makes room the same way with ``always``; the last tier drops.
+  A demotion larger than the next tier passes its excess on down (an empty tier passes all).
+  For LRU this makes the hierarchy one LRU stack cut into segments (``kvtier.sim.sizing``).
 
 Keys are the trace's int block ids; policies are the generic ``kvtier.policy`` classes (plus the
 offline ``belady``). The per-request hit tokens by tier are kept so the cost model can price
@@ -121,29 +123,34 @@ def replay(
         """Make ``keys`` resident in tier ``t``, demoting victims further down.
 
         ``chain`` (first tier only) is the served request's chain: its blocks are pinned while
-        room is made, and the policy is told about the whole chain in prefix order.
+        room is made, and the policy is told about the whole chain in prefix order. Demoted
+        ``keys`` (lower tiers) come most recent first; those beyond the tier's capacity pass on
+        down with its own victims (a bulk demotion larger than a tier spills, it is not lost).
         """
         cap = caps[t]
+        overflow: list[int] = []
         if len(keys) > cap:
-            keys = keys[:cap]
-        if not keys:
-            return
-        pol = pols[t]
-        need = len(pol) + len(keys) - cap
-        victims: list[int] | None = None
-        if need > 0:
-            victims = pol.evict(need, _not_in(chain) if chain else always)
-            assert victims is not None, "policy refused to evict unpinned blocks"
-            for v in victims:
-                del where[v]
-            evicted[t] += len(victims)
-        pol.insert(chain or keys)
-        for k in keys:
-            where[k] = t
-        written[t] += len(keys)
-        if victims and t + 1 < n_tiers:
-            victims.reverse()  # policies give leaf-first victims; tiers take prefix order
-            admit(t + 1, victims)
+            keys, overflow = keys[:cap], keys[cap:]
+            if t == 0:
+                overflow = []  # the served request's tail does not fit: it is not kept
+        down: list[int] = overflow
+        if keys:
+            pol = pols[t]
+            need = len(pol) + len(keys) - cap
+            if need > 0:
+                victims = pol.evict(need, _not_in(chain) if chain else always)
+                assert victims is not None, "policy refused to evict unpinned blocks"
+                for v in victims:
+                    del where[v]
+                evicted[t] += len(victims)
+                victims.reverse()  # policies give leaf-first victims; tiers take prefix order
+                down = overflow + victims if overflow else victims
+            pol.insert(chain or keys)
+            for k in keys:
+                where[k] = t
+            written[t] += len(keys)
+        if down and t + 1 < n_tiers:
+            admit(t + 1, down)
 
     cap0 = caps[0]
     get = where.get

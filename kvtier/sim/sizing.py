@@ -1,0 +1,359 @@
+"""``kvtier plan --trace FILE --slo-ttft-p90 S``: the cheapest tier sizes whose TTFT p90 meets S.
+
+The search, in two stages:
+
+1. **Screen with one pass.** For LRU, an exclusive hierarchy that demotes victims one tier down is
+   one LRU stack cut into segments (tier 0 = the top ``c0`` blocks, tier 1 the next ``c1`` ...),
+   so one pass over the trace gives every reference its stack position before its request is
+   served (:func:`lru_profile`), and the hits per tier of *any* sizes follow with a few numpy
+   operations (:func:`estimate_hits`). A block is in the leading run at total capacity ``C`` iff
+   the largest stack position of its chain up to it is ``< C``. This is exact for LRU except when
+   a request is longer than the first tier (the replay keeps only its leading blocks).
+2. **Verify by replay.** Candidate sizes (a geometric grid per tier, 0 included below the first)
+   are walked cheapest first; one whose estimated p90 is within ``--screen-margin`` of the SLO is
+   replayed exactly with the chosen policy (``kvtier.sim.replay``) and priced
+   (``kvtier.sim.cost``); the first that meets the SLO is the answer, so the result always comes
+   from a real replay. The margin lets a policy better than LRU (the default) pass configurations
+   LRU would miss. A looser SLO admits a superset of candidates, so it never costs more.
+
+Costs are ``capacity x $/GB/month`` per tier (GPU rental excluded); the tiers searched are HBM
+(at most what ``--gpus`` x ``--gpu-memory`` leave after weights and a 10% reserve), then
+``--dram``, ``--nvme``, ``--pool`` (each an upper bound; 0 leaves the tier out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier.config import parse_size
+from kvtier.errors import ConfigError
+from kvtier.layout import KVLayout, canonical_dtype, preset
+from kvtier.plan import make_plan
+from kvtier.policy import DEFAULT_POLICY
+from kvtier.sim.cost import GPU, ComputeModel, price, tier_cost
+from kvtier.sim.hierarchy import DEFAULT_MODEL, Hierarchy, SimTier
+from kvtier.sim.replay import SIM_POLICIES, replay
+from kvtier.sim.report import render, summarize
+from kvtier.sim.trace import Trace, read_trace
+
+NEVER = 1 << 62
+#: screening margin for policies other than LRU (their hits differ from the LRU estimate)
+DEFAULT_MARGIN = 0.01
+I64 = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, slots=True)
+class StackProfile:
+    """LRU stack positions of every block reference of a trace (arrays indexed by reference).
+
+    ``dist`` is the block's position in the LRU stack before its request is served (0 = most
+    recent, ``NEVER`` = first reference); ``reach`` the largest ``dist`` of its chain up to it,
+    so the block is in the leading run at total capacity ``C`` iff ``reach < C``. References are
+    sorted by ``reach`` (so the hits at capacity ``C`` are a prefix).
+    """
+
+    req: I64
+    dist: I64
+    reach: I64
+    tokens: npt.NDArray[np.float64]
+    n_requests: int
+    distinct: int
+
+
+def lru_profile(trace: Trace) -> StackProfile:
+    """One pass (Fenwick tree over access times, O(refs log refs)) over ``trace``."""
+    n_refs = trace.block_events
+    size = n_refs + 1
+    tree = [0] * (size + 1)
+    last: dict[int, int] = {}
+    dist: list[int] = []
+    reach: list[int] = []
+    tokens: list[int] = []
+    req: list[int] = []
+    bt = trace.block_tokens
+    live = now = 0
+    for i, r in enumerate(trace.requests):
+        blocks = r.blocks
+        run = -1
+        for k in blocks:
+            p = last.get(k)
+            if p is None:
+                d = NEVER
+            else:
+                s = 0
+                j = p
+                while j > 0:
+                    s += tree[j]
+                    j &= j - 1
+                d = live - s  # keys touched after k's last access
+            if d > run:
+                run = d
+            dist.append(d)
+            reach.append(run)
+        n = len(blocks)
+        if n:
+            tokens.extend([bt] * (n - 1))
+            tokens.append(r.input_length - bt * (n - 1))
+            req.extend([i] * n)
+        for k in reversed(blocks):  # the replay refreshes a chain leaf first: the root ends on top
+            p = last.get(k)
+            if p is None:
+                live += 1
+            else:
+                j = p
+                while j <= size:
+                    tree[j] -= 1
+                    j += j & -j
+            now += 1
+            last[k] = now
+            j = now
+            while j <= size:
+                tree[j] += 1
+                j += j & -j
+    reach_a = np.array(reach, dtype=np.int64)
+    order = np.argsort(reach_a, kind="stable")
+    return StackProfile(
+        req=np.array(req, dtype=np.int64)[order],
+        dist=np.array(dist, dtype=np.int64)[order],
+        reach=reach_a[order],
+        tokens=np.array(tokens, dtype=np.float64)[order],
+        n_requests=len(trace.requests),
+        distinct=len(last),
+    )
+
+
+def estimate_hits(prof: StackProfile, caps: tuple[int, ...]) -> npt.NDArray[np.float64]:
+    """Cached tokens ``[tier, request]`` of an LRU hierarchy with ``caps`` blocks per tier."""
+    n_t = len(caps)
+    stop = int(np.searchsorted(prof.reach, sum(caps), side="left"))
+    tier = np.searchsorted(np.cumsum(caps), prof.dist[:stop], side="right")
+    idx = tier * prof.n_requests + prof.req[:stop]
+    out = np.bincount(idx, weights=prof.tokens[:stop], minlength=n_t * prof.n_requests)
+    return np.asarray(out, dtype=np.float64).reshape(n_t, prof.n_requests)
+
+
+@dataclass(frozen=True, slots=True)
+class SizingResult:
+    """Outcome of :func:`search`: the chosen sizes (bytes, per tier; None if none met the SLO)."""
+
+    caps_bytes: tuple[int, ...] | None
+    replays: int
+    estimated: int
+    candidates: int
+    best_p90_s: float  # exact p90 of the largest configuration when none met the SLO, else chosen
+    exhausted: bool = False  # stopped at the replay budget, cheaper ones may exist untried
+
+
+def _p90(hits: npt.NDArray[np.float64], inp: I64, hier: Hierarchy) -> float:
+    t = price(hits, inp, [x.cost for x in hier.tiers], hier.compute, hier.gpu)  # type: ignore[arg-type]
+    return float(np.percentile(t.ttft_s, 90))
+
+
+def sized(hier: Hierarchy, caps_bytes: tuple[int, ...]) -> Hierarchy:
+    """``hier`` with these sizes, zero-sized tiers left out (an empty first tier caches nothing)."""
+    tiers = [
+        SimTier(t.name, c, t.policy, t.cost)
+        for t, c in zip(hier.tiers, caps_bytes, strict=True)
+        if c > 0
+    ]
+    if caps_bytes[0] == 0:
+        tiers = [SimTier(hier.tiers[0].name, 0, hier.tiers[0].policy, hier.tiers[0].cost)]
+    return hier.with_tiers(tiers)
+
+
+def exact_p90(trace: Trace, hier: Hierarchy) -> tuple[float, Any]:
+    """Replay ``hier`` (sizes as given) and return (TTFT p90 in s, the replay result)."""
+    res = replay(trace, hier.specs())
+    return _p90(res.hit_tokens.astype(np.float64), res.input_tokens, hier), res
+
+
+def grid(max_blocks: int, points: int, lo: int = 1) -> list[int]:
+    """Sizes in blocks: 0 (tier absent), then ``points`` geometric steps from ``max(lo,
+    max_blocks / 64)`` up to ``max_blocks``."""
+    if max_blocks < max(lo, 1):
+        return [0]
+    lo = max(lo, 1, max_blocks // 64)
+    steps = np.geomspace(lo, max_blocks, points) if points > 1 else np.array([max_blocks])
+    return [0, *sorted({int(s) for s in np.rint(steps)})]
+
+
+def search(
+    trace: Trace,
+    hier: Hierarchy,
+    max_blocks: list[int],
+    slo_s: float,
+    points: int = 8,
+    margin: float = 0.0,
+    max_replays: int = 40,
+    prof: StackProfile | None = None,
+) -> SizingResult:
+    """Cheapest sizes of the tiers (each <= ``max_blocks``) whose replayed p90 <= ``slo_s``."""
+    prof = prof or lru_profile(trace)
+    bb = hier.block_bytes
+    ws = prof.distinct
+    # the first tier holds at least the longest request (the one being served lives there),
+    # which also keeps the LRU estimate exact (the replay truncates longer chains)
+    longest = max(len(r.blocks) for r in trace.requests)
+    grids = [grid(min(m, ws), points, longest if i == 0 else 1) for i, m in enumerate(max_blocks)]
+    price_gb = [t.cost.usd_per_gb_month * bb / 1e9 for t in hier.tiers]
+    configs = []
+    for caps in itertools.product(*grids):
+        if caps[0] == 0 and any(caps[1:]):
+            continue  # every block enters through the first tier
+        # a tier below others that already hold the whole working set only adds cost
+        if any(c and sum(caps[:i]) >= ws for i, c in enumerate(caps) if i):
+            continue
+        configs.append((sum(c * p for c, p in zip(caps, price_gb, strict=True)), caps))
+    configs.sort()
+    inp = np.array([r.input_length for r in trace.requests], dtype=np.int64)
+    replays = estimated = 0
+    exhausted = False
+    for _, caps in configs:
+        estimated += 1
+        if _p90(estimate_hits(prof, caps), inp, hier) > slo_s * (1 + margin):
+            continue
+        if replays >= max_replays:
+            exhausted = True
+            break
+        replays += 1
+        cb = tuple(c * bb for c in caps)
+        p90, _ = exact_p90(trace, sized(hier, cb))
+        if p90 <= slo_s:
+            return SizingResult(cb, replays, estimated, len(configs), p90)
+    top = tuple(max(g) * bb for g in grids)
+    p90, _ = exact_p90(trace, sized(hier, top))
+    return SizingResult(None, replays + 1, estimated, len(configs), p90, exhausted)
+
+
+def add_trace_arguments(p: argparse.ArgumentParser) -> None:
+    """The trace-driven options of ``kvtier plan`` (``--model``, ``--dtype``, ``--gpu-memory``,
+    ``--dram``, ``--nvme``, ``--pool``, ``--weights-*`` and ``--json`` are plan's own)."""
+    g = p.add_argument_group("trace-driven sizing (kvtier plan --trace FILE --slo-ttft-p90 S)")
+    g.add_argument("--trace", help="Mooncake-format JSONL trace: find the cheapest tier sizes")
+    g.add_argument("--slo-ttft-p90", type=float, metavar="SECONDS", help="TTFT p90 target")
+    g.add_argument("--gpus", type=int, default=8, help="GPUs prefilling, HBM source (default 8)")
+    g.add_argument("--policy", default=DEFAULT_POLICY, help=f"eviction policy ({DEFAULT_POLICY})")
+    g.add_argument("--grid-points", type=int, default=8, help="sizes tried per tier (default 8)")
+    g.add_argument(
+        "--screen-margin",
+        type=float,
+        default=None,
+        help="replay candidates whose LRU-estimated p90 is within this fraction of the SLO "
+        "(default 0 for lru, where the estimate is exact, else 0.01)",
+    )
+    g.add_argument("--max-replays", type=int, default=40, help="exact replays at most")
+
+
+def search_space(args: argparse.Namespace, trace: Trace) -> tuple[Hierarchy, list[int], int]:
+    """Tiers to search (hbm, then dram/nvme/pool with a non-zero bound), their bounds in blocks."""
+    p = preset(args.model or DEFAULT_MODEL)
+    dtype = canonical_dtype(args.dtype)
+    layout = p.layout(dtype, trace.block_tokens)
+    if args.gpus < 1:
+        raise ConfigError("--gpus must be >= 1")
+    if args.weights_bytes is not None:
+        weights = parse_size(args.weights_bytes, "--weights-bytes")
+    else:
+        weights = (
+            p.params * KVLayout(1, 1, 1, canonical_dtype(args.weights_dtype)).bytes_per_element
+        )
+    hbm = make_plan(
+        layout,
+        context_tokens=0,
+        tp=args.gpus,
+        gpu_memory_bytes=parse_size(args.gpu_memory, "--gpu-memory"),
+        weights_bytes=weights,
+    ).hbm_kv_budget_bytes
+    longest = max(len(r.blocks) for r in trace.requests) * layout.block_bytes
+    if hbm < longest:
+        raise ConfigError(
+            f"{p.name} on {args.gpus} GPU(s) of {args.gpu_memory} leaves {hbm / 1e9:,.1f} GB of "
+            f"HBM for KV, less than the longest request's {longest / 1e9:,.1f} GB; raise --gpus or "
+            "--gpu-memory"
+        )
+    pol = args.policy.lower()
+    if pol not in SIM_POLICIES:
+        raise ConfigError(
+            f"unknown policy {args.policy!r}; choose one of {', '.join(SIM_POLICIES)}"
+        )
+    bounds = [("hbm", hbm)]
+    for name in ("dram", "nvme", "pool"):
+        size = parse_size(getattr(args, name), f"--{name}")
+        if size >= layout.block_bytes:
+            bounds.append((name, size))
+    tiers = tuple(SimTier(n, b, pol, tier_cost(n)) for n, b in bounds)
+    gpu = GPU(count=args.gpus)
+    hier = Hierarchy(
+        p.name, layout, ComputeModel.from_preset(p, layout.bytes_per_token), gpu, tiers
+    )
+    return hier, [b // layout.block_bytes for _, b in bounds], hbm
+
+
+def run_trace_plan(args: argparse.Namespace) -> int:
+    """Print the cheapest sizes meeting ``--slo-ttft-p90`` (table or one JSON object).
+
+    Exit status 0 when a configuration meets the SLO, 1 when none does (the output says so and
+    gives the best p90 the largest configuration reaches).
+    """
+    if args.slo_ttft_p90 is None or args.slo_ttft_p90 <= 0:
+        raise ConfigError("kvtier plan --trace needs --slo-ttft-p90 SECONDS (a positive number)")
+    margin = args.screen_margin
+    if margin is None:
+        margin = 0.0 if args.policy.lower() == "lru" else DEFAULT_MARGIN
+    if args.grid_points < 1 or args.max_replays < 1 or margin < 0:
+        raise ConfigError("--grid-points and --max-replays must be >= 1, --screen-margin >= 0")
+    trace = read_trace(args.trace)
+    hier, max_blocks, hbm_budget = search_space(args, trace)
+    slo = float(args.slo_ttft_p90)
+    found = search(trace, hier, max_blocks, slo, args.grid_points, margin, args.max_replays)
+    caps = found.caps_bytes or tuple(0 for _ in hier.tiers)
+    chosen = sized(hier, caps) if found.caps_bytes else hier
+    summary = summarize(trace, chosen, replay(trace, chosen.specs()))
+    feasible = found.caps_bytes is not None
+    summary.update(
+        {
+            "slo_ttft_p90_s": slo,
+            "feasible": feasible,
+            "chosen_bytes": {t.name: c for t, c in zip(hier.tiers, caps, strict=True)},
+            "search": {
+                "policy": args.policy,
+                "tiers_searched": {t.name: t.capacity_bytes for t in hier.tiers},
+                "hbm_kv_budget_bytes": hbm_budget,
+                "grid_points_per_tier": args.grid_points,
+                "configurations": found.candidates,
+                "estimated": found.estimated,
+                "replayed": found.replays,
+                "screen_margin": margin,
+                "method": "cheapest-first walk over a geometric grid; LRU stack-distance "
+                "estimate screens, an exact replay with the policy decides",
+            },
+        }
+    )
+    if not feasible:
+        largest = ", ".join(f"{t.name}={t.capacity_bytes / 1e9:,.0f}GB" for t in hier.tiers)
+        summary["message"] = (
+            f"no configuration found within {args.max_replays} replays meeting TTFT p90 <= "
+            f"{slo:g} s (raise --max-replays); the largest ({largest}) reaches "
+            f"{found.best_p90_s:.3f} s"
+            if found.exhausted
+            else f"no configuration meets TTFT p90 <= {slo:g} s: even the largest ({largest}) "
+            f"reaches {found.best_p90_s:.3f} s"
+        )
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        head = (
+            f"cheapest tiers meeting TTFT p90 <= {slo:g} s ({found.replays} replays, "
+            f"{found.estimated}/{found.candidates} configurations estimated):"
+        )
+        print(summary.get("message", head))
+        if feasible:
+            print(render(summary))
+    return 0 if feasible else 1

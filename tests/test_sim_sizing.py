@@ -1,0 +1,166 @@
+"""``kvtier plan --trace``: cheapest tier sizes meeting a TTFT p90 SLO."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvtier.cli.main import main
+from kvtier.sim import sizing
+from kvtier.sim.hierarchy import Hierarchy
+from kvtier.sim.replay import TierSpec, replay
+from kvtier.sim.trace import Request, Trace, write_trace
+from kvtier.sim.trace import Trace as _T
+from kvtier.sim.workload import generate
+
+SPACE = ["--model", "Llama-3.1-8B", "--gpus", "1", "--dram", "50GB", "--nvme", "100GB"]
+
+
+def space(trace: Trace, policy: str = "lru") -> tuple[Hierarchy, list[int]]:
+    ns = argparse.Namespace(
+        model="Llama-3.1-8B",
+        dtype="bf16",
+        gpus=1,
+        weights_bytes=None,
+        weights_dtype="bf16",
+        gpu_memory="80GB",
+        policy=policy,
+        dram="50GB",
+        nvme="100GB",
+        pool="0",
+    )
+    hier, max_blocks, _ = sizing.search_space(ns, trace)
+    return hier, max_blocks
+
+
+@pytest.fixture(scope="module")
+def trace() -> Trace:
+    return generate("mixed", 400, seed=1)
+
+
+def p90_range(trace: Trace, hier: Hierarchy, max_blocks: list[int]) -> tuple[float, float]:
+    """(p90 with every tier at its largest, p90 with no cache)."""
+    top, _ = sizing.exact_p90(
+        trace, sizing.sized(hier, tuple(m * hier.block_bytes for m in max_blocks))
+    )
+    none, _ = sizing.exact_p90(trace, sizing.sized(hier, tuple(0 for _ in max_blocks)))
+    return top, none
+
+
+def tree_trace(seed: int, n_req: int = 80, nodes: int = 60) -> Trace:
+    rng = random.Random(seed)
+    parent = [-1] + [rng.randrange(i) if rng.random() < 0.85 else -1 for i in range(1, nodes)]
+    reqs = []
+    for i in range(n_req):
+        node, path = rng.randrange(nodes), []
+        while node != -1:
+            path.append(node)
+            node = parent[node]
+        path.reverse()
+        reqs.append(Request(float(i), 512 * len(path) - rng.randrange(512), 1, tuple(path)))
+    return _T(tuple(reqs))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lru_estimate_equals_the_replay(seed: int) -> None:
+    """The one-pass stack estimate gives the replay's exact hits per tier (first tier holds the
+    longest request)."""
+    tr = tree_trace(seed)
+    prof = sizing.lru_profile(tr)
+    longest = max(len(r.blocks) for r in tr.requests)
+    rng = random.Random(seed)
+    for _ in range(5):
+        caps = (longest + rng.randrange(8), rng.randrange(10), rng.randrange(1, 20))
+        res = replay(tr, [TierSpec(f"t{i}", c, "lru") for i, c in enumerate(caps)])
+        est = sizing.estimate_hits(prof, caps)
+        assert np.array_equal(est, res.hit_tokens.astype(np.float64)), caps
+
+
+def test_looser_slo_never_costs_more_and_meets_it(trace: Trace) -> None:
+    hier, max_blocks = space(trace)
+    best, worst = p90_range(trace, hier, max_blocks)
+    assert best < worst
+    prof = sizing.lru_profile(trace)
+    costs = []
+    for slo in np.linspace(best, worst, 7):
+        found = sizing.search(trace, hier, max_blocks, float(slo), points=5, prof=prof)
+        assert found.caps_bytes is not None
+        chosen = sizing.sized(hier, found.caps_bytes)
+        p90, _ = sizing.exact_p90(trace, chosen)  # replayed afresh: really meets the SLO
+        assert p90 <= slo
+        costs.append(sum(t.capacity_bytes * t.cost.usd_per_gb_month for t in chosen.tiers))
+    assert costs == sorted(costs, reverse=True)
+    assert costs[0] > costs[-1] == 0  # the loosest SLO needs no cache at all
+
+
+def test_default_policy_choice_is_verified_by_replay(trace: Trace) -> None:
+    hier, max_blocks = space(trace, "s3fifo")
+    best, worst = p90_range(trace, hier, max_blocks)
+    slo = best + (worst - best) / 3
+    found = sizing.search(trace, hier, max_blocks, slo, points=4, margin=0.02)
+    assert found.caps_bytes is not None
+    p90, _ = sizing.exact_p90(trace, sizing.sized(hier, found.caps_bytes))
+    assert p90 <= slo
+
+
+def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, dict[str, Any]]:
+    rc = main(args)
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_cli_json(tmp_path: Path, trace: Trace, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "t.jsonl"
+    write_trace(trace, path)
+    hier, max_blocks = space(trace)
+    best, worst = p90_range(trace, hier, max_blocks)
+    slo = (best + worst) / 2
+    rc, out = run_cli(
+        [
+            "plan",
+            "--trace",
+            str(path),
+            "--slo-ttft-p90",
+            str(slo),
+            "--policy",
+            "lru",
+            "--json",
+            *SPACE,
+        ],
+        capsys,
+    )
+    assert rc == 0 and out["feasible"] is True
+    ttft = out["ttft_s"]
+    assert isinstance(ttft, dict) and ttft["p50"] <= ttft["p90"] <= slo
+    chosen = out["chosen_bytes"]
+    assert isinstance(chosen, dict) and set(chosen) == {"hbm", "dram", "nvme"}
+    assert chosen["hbm"] > 0
+    for key in ("token_hit_ratio", "monthly_cost_usd", "assumptions", "search", "tiers"):
+        assert key in out
+    assert out["monthly_cost_usd"] == pytest.approx(
+        sum(c / 1e9 * {"hbm": 15, "dram": 4, "nvme": 0.08}[n] for n, c in chosen.items())
+    )
+
+
+def test_cli_impossible_slo(
+    tmp_path: Path, trace: Trace, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "t.jsonl"
+    write_trace(trace, path)
+    rc, out = run_cli(
+        ["plan", "--trace", str(path), "--slo-ttft-p90", "1e-6", "--json", *SPACE], capsys
+    )
+    assert rc == 1 and out["feasible"] is False
+    assert "no configuration meets" in str(out["message"])
+
+
+def test_cli_needs_an_slo(tmp_path: Path, trace: Trace, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "t.jsonl"
+    write_trace(trace, path)
+    assert main(["plan", "--trace", str(path), *SPACE]) == 2
+    assert "--slo-ttft-p90" in capsys.readouterr().err
