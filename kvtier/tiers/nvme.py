@@ -47,13 +47,14 @@ from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey, key_hex
 from kvtier.layout import KVLayout
 from kvtier.tiers.base import Array, Tier, TierUsage
-from kvtier.tiers.nvme_device import Device, ODirectMode, StripedSlots
+from kvtier.tiers.nvme_device import Device, ODirectMode
 from kvtier.tiers.nvme_index import (
     DirIndex,
     DirMeta,
     SlotIO,
     slot_bytes_for,
 )
+from kvtier.tiers.slots import SlotTable
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class NVMeTier(Tier):
         self._fail_lock = threading.Lock()
         nd = len(paths)
         self._devs = [Device(d, Path(p), len(range(d, n, nd))) for d, p in enumerate(paths)]
-        self._table = StripedSlots(n)
+        self._table = SlotTable(n)
         self._checksums = np.zeros(n, dtype=np.uint64)
         nw = max(1, min(workers, staging_bytes // self.slot_bytes))
         self._staging: queue.SimpleQueue[_Buf] = queue.SimpleQueue()

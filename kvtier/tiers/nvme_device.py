@@ -10,44 +10,16 @@ import errno
 import logging
 import mmap
 import os
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
 from kvtier.errors import ConfigError
-from kvtier.keys import BlockKey
 from kvtier.tiers.nvme_index import SLOTS_FILE, DirIndex, DirMeta, SlotIO, lock_directory
-from kvtier.tiers.slots import SlotTable
 
 log = logging.getLogger(__name__)
 
 ODirectMode = Literal["auto", "always", "never"]
-
-
-class StripedSlots(SlotTable):
-    """``SlotTable`` plus what a persistent tier striped over directories needs."""
-
-    def restore(self, mapping: Mapping[BlockKey, int]) -> None:
-        """Install ``key -> slot`` entries read from disk (at open, before any other use)."""
-        with self._lock:
-            self._slots.update(mapping)
-            used = set(self._slots.values())
-            self._free = [s for s in range(self._capacity - 1, -1, -1) if s not in used]
-
-    def retire(self, key: BlockKey, slot: int) -> None:
-        """Abort a reserved write without returning its slot (its device failed)."""
-        with self._lock:
-            self._writing.discard(key)
-
-    def purge(self, on_device: Callable[[int], bool]) -> int:
-        """Unmap every key and free slot for which ``on_device(slot)``; return keys dropped."""
-        with self._lock:
-            gone = [k for k, s in self._slots.items() if on_device(s)]
-            for k in gone:
-                del self._slots[k]
-            self._free = [s for s in self._free if not on_device(s)]
-            return len(gone)
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ All operations are O(1) under one short lock; no bytes are moved here.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from kvtier.keys import BlockKey
 
@@ -100,3 +100,26 @@ class SlotTable:
             else:
                 self._free.append(slot)
             return slot
+
+    # -- for persistent tiers --------------------------------------------------------------
+    def restore(self, mapping: Mapping[BlockKey, int]) -> None:
+        """Install ``key -> slot`` entries read from disk (at open, before any other use)."""
+        with self._lock:
+            self._slots.update(mapping)
+            used = set(self._slots.values())
+            self._free = [s for s in range(self._capacity - 1, -1, -1) if s not in used]
+
+    def retire(self, key: BlockKey, slot: int) -> None:
+        """Abort a reserved write without returning its slot (its medium failed)."""
+        with self._lock:
+            self._writing.discard(key)
+
+    def purge(self, lost: Callable[[int], bool]) -> int:
+        """Unmap every key and forget every free slot for which ``lost(slot)``; return the
+        number of keys dropped."""
+        with self._lock:
+            gone = [k for k, s in self._slots.items() if lost(s)]
+            for k in gone:
+                del self._slots[k]
+            self._free = [s for s in self._free if not lost(s)]
+            return len(gone)
