@@ -6,10 +6,10 @@ through the *same* ``MooncakeDistributedStore`` client (the tier's own): the tie
 as ``batch_put_from``/``batch_get_into`` of values of the same size, no framing and no
 verification. Both sides move memory registered once with the transfer engine (the raw side
 with ``register_buffer``, the tier's sources and destinations with ``MooncakeTier.register``, as
-a deployment registers its host arena). Rounds are
-interleaved (raw, tier, raw, tier ...) after one unmeasured warm-up round, and the best round of
-each is reported, so drift on a shared machine hits both alike; each round's objects are removed
-after it.
+a deployment registers its host arena). Rounds alternate the order (raw then tier, tier then
+raw, ...) after one unmeasured warm-up round; the best round of each and the median of the
+per-round tier/raw ratios are reported, so drift on a shared machine hits both alike. Each
+round's objects are removed after it.
 
 Without ``--master`` a ``mooncake_master`` and a ``mooncake_client`` holding the pool memory
 (``--pool-mib``) are started on 127.0.0.1 from the installed wheel and stopped by PID at the end:
@@ -186,10 +186,13 @@ def _run(args: argparse.Namespace, lay: KVLayout, master: str) -> dict[str, Any]
             sizes = [value] * n
             raw_put = partial(client.batch_put_from, names, src_ptrs, sizes)
             raw_get = partial(client.batch_get_into, names, dst_ptrs, sizes)
-            res["raw_store"].append(gbps(nbytes, raw_put, 0))
-            res["store"].append(gbps(nbytes, partial(tier.put, keys, blocks), True))
-            res["raw_load"].append(gbps(nbytes, raw_get, value))
-            res["load"].append(gbps(nbytes, partial(tier.get_into, keys, outs), True))
+            steps = [
+                [("raw_store", raw_put, 0), ("store", partial(tier.put, keys, blocks), True)],
+                [("raw_load", raw_get, value), ("load", partial(tier.get_into, keys, outs), True)],
+            ]
+            for pair in steps:  # odd rounds run the tier first: order effects cancel out
+                for name, fn, want in pair[:: 1 if r % 2 == 0 else -1]:
+                    res[name].append(gbps(nbytes, fn, want))
             if not all(o.tobytes() == b.tobytes() for o, b in zip(outs, blocks, strict=True)):
                 raise RuntimeError("tier get returned bytes that differ from what was put")
             client.batch_remove(names, True)
