@@ -9,21 +9,19 @@ when it leaves the device.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from kvtier.config import check_keys, parse_size
 from kvtier.errors import ConfigError
-from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
-from kvtier.tiers.base import Array, Tier, TierUsage
-from kvtier.tiers.slots import SlotTable
+from kvtier.tiers.arena import ArenaTier
+from kvtier.tiers.base import Array
 
 
-class DeviceTier(Tier):
+class DeviceTier(ArenaTier):
     """``capacity_bytes // block_bytes`` slots in one torch uint8 tensor on ``device``."""
 
     name = "device"
@@ -32,22 +30,15 @@ class DeviceTier(Tier):
     def __init__(self, layout: KVLayout, capacity_bytes: int, device: str = "auto") -> None:
         import torch
 
-        super().__init__(layout)
+        super().__init__(layout, capacity_bytes)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device tier on {device!r} but torch sees no CUDA device")
-        n = capacity_bytes // layout.block_bytes
-        if n < 1:
-            raise ConfigError(
-                f"device tier capacity {capacity_bytes} bytes holds no block of "
-                f"{layout.block_bytes} bytes"
-            )
+        n = self._table.capacity
         self.device = torch.device(device)
         self._torch = torch
         self._arena = torch.zeros((n, layout.block_bytes), dtype=torch.uint8, device=self.device)
-        self._table = SlotTable(n)
-        self._lock = threading.Lock()
         lay = layout
         self._byte_shape = (
             lay.layers,
@@ -67,19 +58,6 @@ class DeviceTier(Tier):
             str(spec.get("device", "auto")),
         )
 
-    @property
-    def capacity_blocks(self) -> int:
-        return self._table.capacity
-
-    def usage(self) -> TierUsage:
-        return TierUsage(len(self._table), self._table.capacity, self.block_bytes)
-
-    def contains_prefix(self, keys: Sequence[BlockKey], tenant: str = "") -> int:
-        return self._table.prefix_len(list(keys))
-
-    def keys(self) -> Iterator[BlockKey]:
-        return self._table.keys()
-
     def _as_bytes(self, a: Any) -> Any:
         """A uint8 torch view ``[L, F, T, H, D*itemsize]`` of a numpy array or tensor."""
         torch = self._torch
@@ -92,48 +70,17 @@ class DeviceTier(Tier):
     def _slot(self, slot: int) -> Any:
         return self._arena[slot].view(self._byte_shape)
 
-    def get_into(
-        self, keys: Sequence[BlockKey], outs: Sequence[Array], tenant: str = ""
-    ) -> list[bool]:
-        self.check_buffers(outs, keys)
-        result = []
-        for key, out in zip(keys, outs, strict=True):
-            slot = self._table.acquire(key)
-            if slot is None:
-                result.append(False)
-                continue
-            try:
-                dst = self._as_bytes(out)
-                dst.copy_(self._slot(slot).reshape(dst.shape))
-                if self.device.type == "cuda":
-                    self._torch.cuda.current_stream(self.device).synchronize()
-            finally:
-                self._table.release(slot)
-            result.append(True)
-        return result
+    def _read(self, slot: int, out: Array) -> bool:
+        dst = self._as_bytes(out)
+        dst.copy_(self._slot(slot).reshape(dst.shape))
+        self._sync()
+        return True
 
-    def put(
-        self, keys: Sequence[BlockKey], blocks: Sequence[Array], tenant: str = ""
-    ) -> list[bool]:
-        self.check_buffers(blocks, keys)
-        result = []
-        for key, block in zip(keys, blocks, strict=True):
-            slot = self._table.reserve(key)
-            if slot is None or slot == -1:
-                result.append(slot == -1)
-                continue
-            try:
-                src = self._as_bytes(block)
-                self._slot(slot).reshape(src.shape).copy_(src)
-                if self.device.type == "cuda":
-                    self._torch.cuda.current_stream(self.device).synchronize()
-            except BaseException:
-                self._table.abort(key, slot)
-                raise
-            self._table.publish(key, slot)
-            result.append(True)
-        return result
+    def _write(self, slot: int, block: Array) -> None:
+        src = self._as_bytes(block)
+        self._slot(slot).reshape(src.shape).copy_(src)
+        self._sync()
 
-    def delete(self, keys: Sequence[BlockKey], tenant: str = "") -> None:
-        for key in keys:
-            self._table.remove(key)
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            self._torch.cuda.current_stream(self.device).synchronize()

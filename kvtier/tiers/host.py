@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import numpy as np
@@ -21,10 +21,9 @@ import numpy as np
 from kvtier import codec
 from kvtier.config import check_keys, parse_size
 from kvtier.errors import ConfigError
-from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
-from kvtier.tiers.base import Array, Tier, TierUsage
-from kvtier.tiers.slots import SlotTable
+from kvtier.tiers.arena import ArenaTier
+from kvtier.tiers.base import Array
 
 log = logging.getLogger(__name__)
 
@@ -53,20 +52,14 @@ def _allocate(nbytes: int, pin_memory: PinMode) -> Array:
     return arena
 
 
-class HostTier(Tier):
+class HostTier(ArenaTier):
     """A DRAM arena of ``capacity_bytes // block_bytes`` slots."""
 
     name = "host"
 
     def __init__(self, layout: KVLayout, capacity_bytes: int, pin_memory: PinMode = "auto") -> None:
-        super().__init__(layout)
-        n = capacity_bytes // layout.block_bytes
-        if n < 1:
-            raise ConfigError(
-                f"host tier capacity {capacity_bytes} bytes holds no block of "
-                f"{layout.block_bytes} bytes; raise capacity to at least one block"
-            )
-        self._table = SlotTable(n)
+        super().__init__(layout, capacity_bytes)
+        n = self._table.capacity
         self._arena = _allocate(n * layout.block_bytes, pin_memory)
         self._checksums = np.zeros(n, dtype=np.uint64)
 
@@ -80,62 +73,12 @@ class HostTier(Tier):
         cap = parse_size(spec.get("capacity", "1GiB"), "tiers.host capacity")
         return cls(layout, cap, pin)  # type: ignore[arg-type]
 
-    @property
-    def capacity_blocks(self) -> int:
-        return self._table.capacity
-
-    def usage(self) -> TierUsage:
-        return TierUsage(len(self._table), self._table.capacity, self.block_bytes)
-
-    def contains_prefix(self, keys: Sequence[BlockKey], tenant: str = "") -> int:
-        return self._table.prefix_len(list(keys))
-
-    def keys(self) -> Iterator[BlockKey]:
-        return self._table.keys()
-
     def slot_view(self, slot: int) -> Array:
         b = self.block_bytes
         return self._arena[slot * b : (slot + 1) * b]
 
-    def get_into(
-        self, keys: Sequence[BlockKey], outs: Sequence[Array], tenant: str = ""
-    ) -> list[bool]:
-        self.check_buffers(outs, keys)
-        result = []
-        for key, out in zip(keys, outs, strict=True):
-            slot = self._table.acquire(key)
-            if slot is None:
-                result.append(False)
-                continue
-            try:
-                ok = codec.copy_out(out, self.slot_view(slot)) == int(self._checksums[slot])
-            finally:
-                self._table.release(slot)
-            if not ok:
-                log.warning("host tier: checksum mismatch, dropping block %s", key[:8].hex())
-                self._table.remove(key)
-            result.append(ok)
-        return result
+    def _write(self, slot: int, block: Array) -> None:
+        self._checksums[slot] = codec.copy_in(self.slot_view(slot), block)
 
-    def put(
-        self, keys: Sequence[BlockKey], blocks: Sequence[Array], tenant: str = ""
-    ) -> list[bool]:
-        self.check_buffers(blocks, keys)
-        result = []
-        for key, block in zip(keys, blocks, strict=True):
-            slot = self._table.reserve(key)
-            if slot is None or slot == -1:
-                result.append(slot == -1)
-                continue
-            try:
-                self._checksums[slot] = codec.copy_in(self.slot_view(slot), block)
-            except BaseException:
-                self._table.abort(key, slot)
-                raise
-            self._table.publish(key, slot)
-            result.append(True)
-        return result
-
-    def delete(self, keys: Sequence[BlockKey], tenant: str = "") -> None:
-        for key in keys:
-            self._table.remove(key)
+    def _read(self, slot: int, out: Array) -> bool:
+        return codec.copy_out(out, self.slot_view(slot)) == int(self._checksums[slot])
