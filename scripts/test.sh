@@ -15,6 +15,6 @@ if [ ${#need[@]} -gt 0 ]; then
   fi
 fi
 bash scripts/setup.sh
-.venv/bin/ruff check kvtier tests benchmarks
+.venv/bin/ruff check kvtier tests
 .venv/bin/mypy
 .venv/bin/python -m pytest -m "not slow" "$@"

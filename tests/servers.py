@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -83,7 +84,10 @@ class ServerProcess:
     ) -> None:
         self.name = name
         self.port = port if port is not None else free_port()
-        self.workdir = workdir or Path(tempfile.mkdtemp(prefix=f"kvtier-{name}-"))
+        if workdir is None:  # ours: removed when this object goes (at the latest at exit)
+            workdir = Path(tempfile.mkdtemp(prefix=f"kvtier-{name}-"))
+            weakref.finalize(self, shutil.rmtree, workdir, ignore_errors=True)
+        self.workdir = workdir
         self.argv = [a.format(port=self.port, dir=self.workdir) for a in argv]
         self._ready = ready or (lambda p: port_accepts(p.port))
         self.proc: subprocess.Popen[bytes] | None = None
