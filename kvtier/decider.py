@@ -1,0 +1,219 @@
+"""The decider: every choice about where blocks live, made in plain single-threaded code.
+
+``Decider`` owns the ``BlockIndex`` (entries, per-tier policies) and turns requests into
+``Move`` specs for the transfer engine: which victims leave a tier and where they go (deepest
+first, so room exists before anything is written into it), which blocks are written through to
+shared tiers, which are fetched up to the first tier, what is persisted at close. It also
+commits completions (``apply``) and the outcome of synchronous loads (``finish_load``).
+
+It never moves bytes and never blocks: the ``TieredStore`` calls it under its lock and hands
+the moves to the engine. Counters of what was decided live here too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from itertools import islice
+
+from kvtier.index import BlockIndex
+from kvtier.keys import BlockKey
+from kvtier.moves import Move
+from kvtier.tiers.base import Tier
+from kvtier.transfer import Completion
+
+
+@dataclass(slots=True)
+class Counters:
+    """What the store did, in blocks or tokens (``stats()["store"]``)."""
+
+    lookups: int = 0
+    hit_tokens: int = 0
+    miss_tokens: int = 0
+    stored_tokens: int = 0
+    skipped_blocks: int = 0
+    invalid_blocks: int = 0
+    evictions: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    write_through: int = 0
+    failed_moves: int = 0
+    dropped_for_room: int = 0
+
+
+@dataclass(slots=True)
+class Read:
+    """One block a load will read, and from which tier."""
+
+    key: BlockKey
+    tier: int
+    pinned: bool  # pinned in the index (False for blocks found only in a shared tier)
+
+
+class Decider:
+    """Index + policies + move planning. Not thread-safe: callers hold the store's lock."""
+
+    def __init__(self, tiers: Sequence[Tier], policy: str, block_tokens: int) -> None:
+        self.tiers = tiers
+        self.block_tokens = block_tokens
+        self.local = [i for i, t in enumerate(tiers) if not t.shared]
+        self.shared = [i for i, t in enumerate(tiers) if t.shared]
+        self.index = BlockIndex(policy, [0 if t.shared else t.capacity_blocks for t in tiers])
+        self.counters = Counters()
+        self._tenants: dict[str, Counters] = {}
+
+    def tenant_counters(self, tenant: str) -> Counters:
+        c = self._tenants.get(tenant)
+        if c is None:
+            c = self._tenants[tenant] = Counters()
+        return c
+
+    def tenants(self) -> dict[str, Counters]:
+        return self._tenants
+
+    def apply(self, done: Sequence[Completion]) -> None:
+        """Commit the outcome of finished async jobs (under the lock)."""
+        idx = self.index
+        for c in done:
+            moves: list[Move] = c.job.context
+            for mv in moves:
+                ok = mv.ok if c.error is None and mv.ok else [False] * len(mv.keys)
+                if mv.dst is not None:
+                    idx.end_write(mv.keys, mv.dst, ok)
+                    n_ok = sum(ok)
+                    self.counters.failed_moves += len(ok) - n_ok
+                    if c.job.kind == "demote":
+                        self.counters.demotions += n_ok
+                    elif c.job.kind == "write-through":
+                        self.counters.write_through += n_ok
+                    else:
+                        self.counters.promotions += n_ok
+                if mv.delete_src:
+                    for k in mv.keys:
+                        idx.drop(k, mv.src)
+                idx.unpin(mv.keys)
+
+    def next_local(self, tier: int) -> int | None:
+        later = [i for i in self.local if i > tier and self.tiers[i].healthy]
+        return later[0] if later else None
+
+    def plan_eviction(self, tier: int, victims: list[BlockKey], moves: list[Move]) -> None:
+        """Plan what happens to ``victims`` leaving ``tier`` (under the lock), deepest first."""
+        idx = self.index
+        self.counters.evictions += len(victims)
+        lower = self.next_local(tier)
+        below = ~((2 << tier) - 1)  # bits of every tier after this one
+        move_keys = [k for k in victims if lower is not None and not idx.entries[k].tiers & below]
+        drop_keys = [k for k in victims if k not in set(move_keys)]
+        if move_keys and lower is not None:
+            room = idx.plan_room(lower, len(move_keys))
+            if room is None:  # lower tier pinned solid: the victims fall off
+                drop_keys += move_keys
+                move_keys = []
+            elif room:
+                self.plan_eviction(lower, room, moves)
+        if move_keys and lower is not None:
+            for k in move_keys:
+                idx.begin_write(k, lower)
+            moves.append(Move(tier, lower, move_keys, [""] * len(move_keys), delete_src=True))
+        if drop_keys:
+            moves.append(Move(tier, None, drop_keys, [""] * len(drop_keys), delete_src=True))
+        idx.pin(victims)
+
+    def readable_prefix(self, keys: Iterator[BlockKey], limit: int) -> list[Read]:
+        """Leading blocks readable from a local-index tier (under lock)."""
+        reads = []
+        for key in islice(keys, limit):
+            e = self.index.readable(key)
+            if e is None:
+                break
+            reads.append(Read(key, e.best_tier(), True))
+        return reads
+
+    def plan_write_through(self, keys: list[BlockKey], owner: str) -> list[Move]:
+        if not keys or not self.shared:
+            return []
+        moves = []
+        for i in self.shared:
+            if self.tiers[i].healthy:
+                for k in keys:
+                    self.index.begin_write(k, i)
+                self.index.pin(keys)
+                moves.append(Move(0, i, list(keys), [owner] * len(keys), delete_src=False))
+        return moves
+
+    def finish_load(
+        self, reads: list[Read], ok: list[bool], n: int, tenant: str
+    ) -> tuple[list[int], bool]:
+        """Unpin, drop invalid blocks, refresh policies; return (positions to promote, retry)."""
+        idx = self.index
+        bt = self.block_tokens
+        retry = False
+        idx.unpin([r.key for r in reads if r.pinned])
+        if n < len(reads) and reads[n].pinned:
+            failed = reads[n]
+            e = idx.entries.get(failed.key)
+            if e is not None and e.pending & ~e.tiers:
+                retry = True  # being moved right now: the index catches up on poll
+            elif e is not None and e.tiers & ~(1 << failed.tier):
+                idx.drop(failed.key, failed.tier)
+                retry = True  # another tier still holds a copy
+            else:  # the index said present: lost or corrupt
+                idx.drop(failed.key, failed.tier)
+                self.counters.invalid_blocks += 1
+        by_tier: dict[int, list[BlockKey]] = {}
+        for r in reads[:n]:
+            by_tier.setdefault(r.tier, []).append(r.key)
+        for tier, keys in by_tier.items():
+            if tier in self.shared:
+                idx.add_present(keys, tier)
+            idx.touch(keys, tier)
+        for cnt in (self.counters, self.tenant_counters(tenant)):
+            cnt.hit_tokens += n * bt
+            cnt.miss_tokens += max(0, len(reads) - n) * bt
+        return [i for i, r in enumerate(reads[:n]) if r.tier != 0], retry
+
+    def plan_fetch(self, reads: list[Read], owner: str) -> list[Move]:
+        """Moves that bring ``reads`` up into the first tier, evictions first (under lock)."""
+        idx = self.index
+        moves: list[Move] = []
+        victims = idx.plan_room(0, len(reads))
+        if victims is None:  # only what fits without evicting pinned blocks
+            reads = reads[: max(0, idx.free(0))]
+        elif victims:
+            self.plan_eviction(0, victims, moves)
+        by_src: dict[int, list[BlockKey]] = {}
+        for r in reads:
+            idx.begin_write(r.key, 0)
+            idx.pin([r.key])
+            by_src.setdefault(r.tier, []).append(r.key)
+        for src, keys in by_src.items():
+            moves.append(Move(src, 0, keys, [owner] * len(keys), delete_src=False))
+        return moves
+
+    def plan_persist(self) -> list[Move]:
+        """Moves copying blocks held only in volatile local tiers down to the first persistent
+        local tier (most recently stored first, evicting its coldest blocks if needed)."""
+        target = next((i for i in self.local if self.tiers[i].persistent), None)
+        if target is None or not self.tiers[target].healthy:
+            return []
+        idx = self.index
+        keep = 1 << target
+        by_src: dict[int, list[BlockKey]] = {}
+        for key, e in idx.entries.items():
+            src = e.best_tier()
+            if 0 <= src < target and not (e.tiers | e.pending) & keep and not e.pins:
+                by_src.setdefault(src, []).append(key)
+        moves: list[Move] = []
+        for src, keys in by_src.items():
+            keys = keys[-max(0, self.tiers[target].capacity_blocks) :]
+            room = idx.plan_room(target, len(keys))
+            if room is None:
+                continue
+            if room:
+                self.plan_eviction(target, room, moves)
+            for k in keys:
+                idx.begin_write(k, target)
+            idx.pin(keys)
+            moves.append(Move(src, target, keys, [""] * len(keys), delete_src=False))
+        return moves
