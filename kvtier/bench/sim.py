@@ -2,6 +2,8 @@
 loop doing only the dict lookups every event needs (measured in the same run).
 
 Targets: >= 1M block events/s; the shared Mooncake trace (4k requests) end to end <= 2 s.
+``end_to_end_s`` is the first round (parse + replay); events/s and the floor are the best of
+``--rounds`` (the machine is shared: the best round is the least disturbed one).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=TRACE, help="Mooncake JSONL trace")
     p.add_argument("--capacity-blocks", type=int, default=10_000)
     p.add_argument("--policy", default=DEFAULT_POLICY)
+    p.add_argument("--rounds", type=int, default=3, help="replays; rates are the best round")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -28,13 +31,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     trace = read_trace(args.trace)
     t1 = time.perf_counter()
-    res = replay(trace, [TierSpec("hbm", args.capacity_blocks, args.policy)])
-    t2 = time.perf_counter()
-    seen: dict[int, int] = {}  # floor: one dict probe + one store per event, nothing else
-    for r in trace.requests:
-        for k in r.blocks:
-            seen[k] = seen.get(k, 0) + 1
-    t3 = time.perf_counter()
+    spec = [TierSpec("hbm", args.capacity_blocks, args.policy)]
+    res = replay(trace, spec)
+    first = time.perf_counter() - t1
+    best = first
+    floor = float("inf")
+    for _ in range(max(args.rounds, 1)):
+        if _:
+            t = time.perf_counter()
+            replay(trace, spec)
+            best = min(best, time.perf_counter() - t)
+        t = time.perf_counter()
+        seen: dict[int, int] = {}  # floor: one dict probe + one store per event, nothing else
+        for r in trace.requests:
+            for k in r.blocks:
+                seen[k] = seen.get(k, 0) + 1
+        floor = min(floor, time.perf_counter() - t)
     events = trace.block_events
     return {
         "requests": len(trace),
@@ -42,9 +54,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "policy": args.policy,
         "token_hit_ratio": res.token_hit_ratio,
         "parse_s": t1 - t0,
-        "replay_s": t2 - t1,
-        "end_to_end_s": t2 - t0,
-        "events_per_s": events / (t2 - t1),
-        "floor_events_per_s": events / (t3 - t2),
-        "ratio_to_floor": (t3 - t2) / (t2 - t1),
+        "replay_s": best,
+        "end_to_end_s": t1 - t0 + first,
+        "events_per_s": events / best,
+        "floor_events_per_s": events / floor,
+        "ratio_to_floor": floor / best,
+        "rounds": max(args.rounds, 1),
     }

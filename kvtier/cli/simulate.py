@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -67,15 +68,39 @@ def _load_trace(args: argparse.Namespace) -> Any:
     return trace
 
 
-def _progress(total: int, quiet: bool) -> Any:
-    """A rich progress bar for long runs (a no-op context when quiet or short)."""
-    from contextlib import nullcontext
+class _LazyProgress:
+    """A progress callback that shows a rich bar on stderr once a run has taken ``delay_s``.
 
-    if quiet or total < 20_000 or not sys.stderr.isatty():
-        return nullcontext(None)
-    from rich.progress import Progress
+    Short runs print nothing; on a non-terminal stderr it stays silent (no escape codes in logs).
+    Use as a context manager so the bar is removed when the run ends.
+    """
 
-    return Progress(transient=True)
+    def __init__(self, total: int, what: str, delay_s: float = 1.0) -> None:
+        self.total = total
+        self.what = what
+        self.start = time.monotonic() + delay_s
+        self.enabled = sys.stderr.isatty()
+        self.bar: Any = None
+        self.task: Any = None
+
+    def __call__(self, done: int) -> None:
+        if self.bar is None:
+            if not self.enabled or time.monotonic() < self.start:
+                return
+            from rich.console import Console
+            from rich.progress import Progress
+
+            self.bar = Progress(console=Console(stderr=True), transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task(self.what, total=self.total)
+        self.bar.update(self.task, completed=done)
+
+    def __enter__(self) -> _LazyProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -107,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
             else default_capacities(trace)
         )
         pols = [args.policy] if args.policy else list(SIM_POLICIES)
-        rows = sweep(trace, hier, pols, caps)
+        with _LazyProgress(len(pols) * len(caps), "sweeping") as progress:
+            rows = sweep(trace, hier, pols, caps, progress)
         out: dict[str, Any] = {
             "trace": trace.name,
             "requests": len(trace),
@@ -128,15 +154,8 @@ def run(args: argparse.Namespace) -> int:
                 )
         return 0
 
-    with _progress(trace.block_events, args.json) as bar:
-        cb = None
-        if bar is not None:
-            task = bar.add_task("replaying", total=len(trace))
-
-            def cb(i: int) -> None:
-                bar.update(task, completed=i)
-
-        res = replay(trace, hier.specs(), cb)
+    with _LazyProgress(len(trace), "replaying") as progress:
+        res = replay(trace, hier.specs(), progress)
     summary = summarize(trace, hier, res)
     if plot_dir is not None:
         from kvtier.sim.cost import price

@@ -119,11 +119,12 @@ def replay(
     block_hits = 0
     refs = 0
 
-    def admit(t: int, keys: list[int], chain: Sequence[int] = ()) -> None:
+    def admit(t: int, keys: list[int], chain: Sequence[int] = (), pin: bool = False) -> None:
         """Make ``keys`` resident in tier ``t``, demoting victims further down.
 
-        ``chain`` (first tier only) is the served request's chain: its blocks are pinned while
-        room is made, and the policy is told about the whole chain in prefix order. Demoted
+        ``chain`` (first tier only) is the served request's chain: the policy is told about the
+        whole chain in prefix order, and with ``pin`` (some of it is resident already) its blocks
+        are pinned while room is made. Demoted
         ``keys`` (lower tiers) come most recent first; those beyond the tier's capacity pass on
         down with its own victims (a bulk demotion larger than a tier spills, it is not lost).
         """
@@ -138,7 +139,7 @@ def replay(
             pol = pols[t]
             need = len(pol) + len(keys) - cap
             if need > 0:
-                victims = pol.evict(need, _not_in(chain) if chain else always)
+                victims = pol.evict(need, _not_in(chain) if pin else always)
                 assert victims is not None, "policy refused to evict unpinned blocks"
                 for v in victims:
                     del where[v]
@@ -146,8 +147,7 @@ def replay(
                 victims.reverse()  # policies give leaf-first victims; tiers take prefix order
                 down = overflow + victims if overflow else victims
             pol.insert(chain or keys)
-            for k in keys:
-                where[k] = t
+            where.update(dict.fromkeys(keys, t))
             written[t] += len(keys)
         if down and t + 1 < n_tiers:
             admit(t + 1, down)
@@ -158,29 +158,45 @@ def replay(
         blocks = req.blocks
         n = len(blocks)
         refs += n
-        # leading run of present blocks, tokens credited to the tier that holds each one
-        j = 0
-        while j < n:
-            t = get(blocks[j])
-            if t is None:
-                break
-            hits[t][i] += bt if j < n - 1 else req.input_length - bt * (n - 1)
-            j += 1
-        block_hits += j
         if oracle is not None:
             oracle.advance(i, blocks)
         chain = blocks if n <= cap0 else blocks[:cap0]
+        # one pass: the leading run of present blocks (each block is read before it moves;
+        # tokens credited to the tier holding it), and the blocks to compute or promote
+        run = 0
+        t_run = 0
         new: list[int] = []
         for k in chain:
             t = get(k)
-            if t != 0:
-                if t is not None:  # promote: exclusive tiers, the block moves up
-                    pols[t].remove(k)
-                    del where[k]
-                    promoted[t] += 1
+            if t is None:
+                if run >= 0:
+                    run = -run - 1  # the run ended: stored as -(length + 1)
                 new.append(k)
+                continue
+            if run >= 0:
+                hits[t][i] += bt
+                run += 1
+                t_run = t
+            if t:  # promote: exclusive tiers, the block moves up
+                pols[t].remove(k)
+                del where[k]
+                promoted[t] += 1
+                new.append(k)
+        if run >= 0:
+            for k in blocks[len(chain) :]:  # beyond the first tier's size: counted, not kept
+                t = get(k)
+                if t is None:
+                    break
+                hits[t][i] += bt
+                run += 1
+                t_run = t
+        else:
+            run = -run - 1
+        if run == n and n:
+            hits[t_run][i] += req.input_length - bt * n  # the last block may be partial
+        block_hits += run
         if new:
-            admit(0, new, chain)
+            admit(0, new, chain, len(new) < len(chain))
         else:
             pols[0].insert(chain)  # all resident: the whole chain counts as accessed
         if progress is not None and i & 255 == 255:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,9 +21,16 @@ def default_capacities(trace: Trace, points: int = 10) -> list[int]:
 
 
 def sweep(
-    trace: Trace, hier: Hierarchy, policies: Sequence[str], capacities: Sequence[int]
+    trace: Trace,
+    hier: Hierarchy,
+    policies: Sequence[str],
+    capacities: Sequence[int],
+    progress: Callable[[int], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """One single-tier replay per (policy, capacity); the tier is priced like ``hier``'s first."""
+    """One single-tier replay per (policy, capacity); the tier is priced like ``hier``'s first.
+
+    ``progress(i)`` is called after each replay with the number done.
+    """
     cost = [hier.tiers[0].cost]
     rows: list[dict[str, Any]] = []
     for pol in policies:
@@ -40,4 +47,6 @@ def sweep(
                     "ttft_p90_s": float(np.percentile(t.ttft_s, 90)),
                 }
             )
+            if progress is not None:
+                progress(len(rows))
     return rows
