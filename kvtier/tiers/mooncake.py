@@ -19,7 +19,8 @@ through a staging arena registered with the transfer engine once, at constructio
 copy+checksum). Contiguous caller buffers are registered with the transfer engine for the
 duration of each call (transfers from unregistered memory are markedly slower), unless they lie
 in a long-lived buffer the owner registered once with ``register`` (a host arena, an engine's KV
-pool): that saves the per-call registration, ~15% of a 4 MiB transfer over TCP.
+pool): that saves the per-call registration, ~15% of a 4 MiB transfer over TCP. The arena,
+registrations, error codes and connection setup live in ``kvtier.tiers.mooncake_engine``.
 
 Mooncake behaviours this tier is built around:
 
@@ -39,110 +40,45 @@ query); the pool's capacity is the cluster's business, so ``capacity_blocks`` is
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvtier import codec
-from kvtier.config import check_keys, parse_size
+from kvtier.config import parse_size
 from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
-from kvtier.tiers.base import Array, Tier, TierUsage
-from kvtier.tiers.breaker import CircuitBreaker
-from kvtier.tiers.secure import (
-    SECURITY_KEYS,
-    BlockSealer,
-    TenantQuotas,
-    security_from_config,
-    tenant_token,
+from kvtier.tiers.base import Array, TierUsage
+from kvtier.tiers.mooncake_engine import (
+    BUFFER_TOO_SMALL,
+    TRANSFER_FAIL,
+    Registrations,
+    ServerDown,
+    StagingArena,
+    check_down,
+    connect,
+    flat_bytes,
+    package_binary,
 )
+from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.secure import BlockSealer, TenantQuotas, tenant_token
 
 log = logging.getLogger(__name__)
 
-# Mooncake error codes (mooncake-store ErrorCode) the tier tells apart.
-OBJECT_NOT_FOUND = -704
-BUFFER_TOO_SMALL = -600  # the stored object is larger than our buffers: foreign
-TRANSFER_FAIL = -800
-RPC_FAIL = -900  # master unreachable
-RPC_TIMEOUT = -901  # master hung or overloaded past rpc_timeout_s
-NO_SPACE = -200
-OBJECT_HAS_LEASE = -706
-LEASE_EXPIRED = -707
-_EXPECTED = frozenset(
-    {OBJECT_NOT_FOUND, BUFFER_TOO_SMALL, TRANSFER_FAIL, NO_SPACE, OBJECT_HAS_LEASE, LEASE_EXPIRED}
-)
-_TRACK_MAX = 1 << 20
-_ENV_LOCK = threading.Lock()  # keys remembered for usage(); the oldest are forgotten beyond this
+_TRACK_MAX = 1 << 20  # keys remembered for usage(); the oldest are forgotten beyond this
+__all__ = ["MooncakeTier", "package_binary"]
 
 
-class _ServerDown(Exception):
-    """Raised inside a breaker-guarded call when the master is unreachable."""
-
-
-class _Staging:
-    """A registered arena of fixed-size slots (header + sealed value), handed out per call."""
-
-    def __init__(self, slot_bytes: int, nslots: int) -> None:
-        self.slot_bytes = slot_bytes
-        self.arena: Array = np.zeros(slot_bytes * nslots, dtype=np.uint8)
-        self.base = int(self.arena.ctypes.data)
-        self._free = list(range(nslots))
-        self._cond = threading.Condition()
-
-    def acquire(self, want: int) -> list[int]:
-        """Between 1 and ``want`` free slots (waits for one if none is free)."""
-        with self._cond:
-            while not self._free:
-                self._cond.wait()
-            n = min(want, len(self._free))
-            taken, self._free = self._free[:n], self._free[n:]
-            return taken
-
-    def release(self, slots: list[int]) -> None:
-        with self._cond:
-            self._free.extend(slots)
-            self._cond.notify_all()
-
-    def view(self, slot: int, nbytes: int) -> Array:
-        off = slot * self.slot_bytes
-        return self.arena[off : off + nbytes]
-
-    def ptr(self, slot: int) -> int:
-        return self.base + slot * self.slot_bytes
-
-
-def package_binary(name: str) -> Path | None:
-    """A binary shipped in the ``mooncake`` package (``mooncake_master``, ``mooncake_client``)."""
-    spec = importlib.util.find_spec("mooncake")
-    for loc in (spec.submodule_search_locations or []) if spec is not None else []:
-        p = Path(loc) / name
-        if p.is_file():
-            return p
-    return None
-
-
-def _flat(a: Array) -> Array | None:
-    """A flat uint8 view of ``a`` if it is C-contiguous (zero-copy capable), else None."""
-    if not a.flags.c_contiguous:
-        return None
-    return a.reshape(-1).view(np.uint8)
-
-
-class MooncakeTier(Tier):
+class MooncakeTier(RemoteTier):
     """Blocks in a Mooncake Store pool; see the module docstring. Thread-safe."""
 
     name = "mooncake"
-    shared = True
-    persistent = False
-    verifies_checksums = True
+    errors = (ServerDown,)
 
     def __init__(
         self,
@@ -162,7 +98,13 @@ class MooncakeTier(Tier):
         sealer: BlockSealer | None = None,
         quotas: TenantQuotas | None = None,
     ) -> None:
-        super().__init__(layout)
+        super().__init__(
+            layout,
+            breaker_name=f"mooncake tier ({master})",
+            cooldown_s=cooldown_s,
+            sealer=sealer,
+            quotas=quotas,
+        )
         if protocol not in ("tcp", "rdma"):
             raise ConfigError(f"mooncake tier protocol must be 'tcp' or 'rdma', got {protocol!r}")
         if replicas < 1:
@@ -180,15 +122,11 @@ class MooncakeTier(Tier):
             rdma_devices,
             master,
         )
-        self._sealer = sealer or BlockSealer(layout)
-        self._quotas = quotas or TenantQuotas(name="mooncake")
-        self._value_bytes = self._sealer.value_bytes
-        slot_bytes = -(-self._value_bytes // 64) * 64
-        self._staging = _Staging(slot_bytes, max(2, buffer_size // slot_bytes))
-        self.breaker = CircuitBreaker(f"mooncake tier ({master})", cooldown_s)
+        slot_bytes = -(-self.value_bytes // 64) * 64
+        self._staging = StagingArena(slot_bytes, max(2, buffer_size // slot_bytes))
+        self._regs = Registrations()
         self._lock = threading.Lock()
         self._written: dict[tuple[str, BlockKey], None] = {}
-        self._pinned: dict[int, int] = {}  # buffers registered by register(): ptr -> bytes
         self._closed = False
         self._client: Any = None
         self._replicate: Any = None
@@ -216,11 +154,11 @@ class MooncakeTier(Tier):
             "prefix",
             "replicas",
             "cooldown_s",
-        } | SECURITY_KEYS
-        check_keys(section, spec, allowed)
+            "rpc_timeout_s",
+        }
+        sealer, quotas = cls.security_section(layout, spec, section, allowed)
         if "master" not in spec:
             raise ConfigError(f'[{section}] needs master = "host:port" of mooncake_master')
-        sealer, quotas = security_from_config(layout, spec, section)
         return cls(
             layout,
             str(spec["master"]),
@@ -241,17 +179,11 @@ class MooncakeTier(Tier):
     # -- connection --------------------------------------------------------------------------
     def _connect(self) -> None:
         """Create and set up the client; on failure the breaker opens and a later call retries."""
-        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # the client logs every call at INFO
-        os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")  # else ~20 x 4 s when down
-        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+        from mooncake.store import ReplicateConfig
 
-        with _ENV_LOCK:  # the client reads its RPC timeout from the environment at setup
-            os.environ["MC_RPC_TIMEOUT_MS"] = str(max(1, int(self.rpc_timeout_s * 1000)))
-            client = MooncakeDistributedStore()
-            rc = client.setup(*self._setup_args)
+        client, rc = connect(self._setup_args, self.rpc_timeout_s)
         if rc != 0:
-            client.close()
-            self.breaker.failed(_ServerDown(f"setup with master {self.master} returned {rc}"))
+            self.breaker.failed(ServerDown(f"setup with master {self.master} returned {rc}"))
             return
         if client.register_buffer(self._staging.base, self._staging.arena.nbytes) != 0:
             client.close()
@@ -262,27 +194,19 @@ class MooncakeTier(Tier):
         self._client = client
 
     def _ready(self) -> Any:
-        """The set-up client (connecting now if an earlier setup failed), or raise _ServerDown."""
+        """The set-up client (connecting now if an earlier setup failed), or raise ServerDown."""
         if self._closed:
-            raise _ServerDown("tier closed")
+            raise ServerDown("tier closed")
         if self._client is None:
             with self._lock:
                 if self._client is None:
                     self._connect()
             if self._client is None:
-                raise _ServerDown(f"no connection to master {self.master}")
+                raise ServerDown(f"no connection to master {self.master}")
         return self._client
 
     def _check_down(self, codes: Sequence[int]) -> None:
-        """Raise _ServerDown if a code is an unexpected error and the master is unreachable.
-
-        Expected outcomes (not found, no space, leases, a foreign size) never cost a ping.
-        """
-        odd = [c for c in codes if c < 0 and c not in _EXPECTED]
-        # health_check() reflects the client's last heartbeat, so it can still say 0 right
-        # after the master died; an RPC failure or timeout is taken at its word.
-        if odd and (RPC_FAIL in odd or RPC_TIMEOUT in odd or self._client.health_check() != 0):
-            raise _ServerDown(f"master {self.master} unreachable (codes {sorted(set(odd))})")
+        check_down(self._client, codes, self.master)
 
     def _names(self, keys: Sequence[BlockKey], tenant: str) -> list[str]:
         base = f"{self.prefix}/{tenant_token(tenant)}/"
@@ -295,45 +219,18 @@ class MooncakeTier(Tier):
 
         The caller keeps ``buf`` alive while it is registered.
         """
-        ptr, n = int(buf.ctypes.data), int(buf.nbytes)
-        client = self._client
-        if client is None or n == 0 or client.register_buffer(ptr, n) != 0:
-            return False
-        with self._lock:
-            self._pinned[ptr] = n
-        return True
+        return self._regs.pin(self._client, buf)
 
     def unregister(self, buf: Array) -> None:
         """Undo ``register`` (idempotent)."""
-        ptr = int(buf.ctypes.data)
-        with self._lock:
-            known = self._pinned.pop(ptr, None) is not None
-        if known and self._client is not None:
-            self._client.unregister_buffer(ptr)
-
-    def _register_for_call(self, client: Any, ptr: int, n: int, registered: list[int]) -> None:
-        """Register ``[ptr, ptr+n)`` for one call unless a ``register``ed buffer covers it."""
-        with self._lock:
-            if any(p <= ptr and ptr + n <= p + size for p, size in self._pinned.items()):
-                return
-        if client.register_buffer(ptr, n) == 0:
-            registered.append(ptr)
+        self._regs.unpin(self._client, buf)
 
     @property
     def client(self) -> Any:
         """The underlying ``MooncakeDistributedStore`` (None while not connected); for tools."""
         return self._client
 
-    @property
-    def value_bytes(self) -> int:
-        """Size of one stored object (header + payload, + nonce and tag when encrypted)."""
-        return self._value_bytes
-
     # -- queries -----------------------------------------------------------------------------
-    @property
-    def capacity_blocks(self) -> int:
-        return 0
-
     @property
     def healthy(self) -> bool:
         return self._client is not None and self.breaker.healthy
@@ -341,36 +238,30 @@ class MooncakeTier(Tier):
     def _forget(self, tenant: str, keys: Sequence[BlockKey]) -> None:
         """Drop written-key records (deleted or evicted blocks) and refund their quota."""
         with self._lock:
-            gone = sum(1 for k in keys if (tenant, k) in self._written)
-            for k in keys:
-                self._written.pop((tenant, k), None)
-        for _ in range(gone):
-            self._quotas.release(tenant, self.block_bytes)
+            gone = sum(1 for k in keys if self._written.pop((tenant, k), 0) is None)
+        self.refund(tenant, gone)
 
     def usage(self) -> TierUsage:
         """Blocks this client wrote that are still in the pool (one batched existence query).
 
         Blocks found evicted are forgotten and their quota refunded.
         """
+        by_tenant: dict[str, list[BlockKey]] = {}
         with self._lock:
-            items = list(self._written)
-        present = 0
-        if items:
-            by_tenant: dict[str, list[BlockKey]] = {}
-            for t, k in items:
+            for t, k in self._written:
                 by_tenant.setdefault(t, []).append(k)
 
-            def count() -> int:
-                client = self._ready()
-                n = 0
-                for t, ks in by_tenant.items():
-                    codes = client.batch_is_exist(self._names(ks, t))
-                    self._check_down(codes)
-                    n += sum(1 for c in codes if c == 1)
-                    self._forget(t, [k for k, c in zip(ks, codes, strict=True) if c == 0])
-                return n
+        def count() -> int:
+            client = self._ready()
+            n = 0
+            for t, ks in by_tenant.items():
+                codes = client.batch_is_exist(self._names(ks, t))
+                self._check_down(codes)
+                n += sum(1 for c in codes if c == 1)
+                self._forget(t, [k for k, c in zip(ks, codes, strict=True) if c == 0])
+            return n
 
-            present = self.breaker.call(count, 0, (_ServerDown,))
+        present = self.guard(count, 0) if by_tenant else 0
         return TierUsage(present, 0, self.block_bytes)
 
     def contains_prefix(self, keys: Sequence[BlockKey], tenant: str = "") -> int:
@@ -380,65 +271,56 @@ class MooncakeTier(Tier):
         def query() -> int:
             codes = self._ready().batch_is_exist(self._names(keys, tenant))
             self._check_down(codes)
-            n = 0
-            for c in codes:
-                if c != 1:
-                    break
-                n += 1
-            return n
+            return next((i for i, c in enumerate(codes) if c != 1), len(codes))
 
-        return self.breaker.call(query, 0, (_ServerDown,))
+        return self.guard(query, 0)
 
     # -- data --------------------------------------------------------------------------------
+    def _staged(
+        self, idx: list[int], chunk_fn: Callable[[list[int], list[int]], list[bool]]
+    ) -> dict[int, bool]:
+        """Run ``chunk_fn(chunk, slots)`` over ``idx`` in chunks as large as the free staging
+        slots allow, each through the breaker; the result of every index (``False`` if skipped)."""
+        result: dict[int, bool] = {}
+        pending = idx
+        while pending:
+            slots = self._staging.acquire(len(pending))
+            chunk, pending = pending[: len(slots)], pending[len(slots) :]
+            try:
+                oks = self.guard(partial(chunk_fn, chunk, slots), [False] * len(chunk))
+            finally:
+                self._staging.release(slots)
+            result.update(zip(chunk, oks, strict=True))
+        return result
+
     def put(
         self, keys: Sequence[BlockKey], blocks: Sequence[Array], tenant: str = ""
     ) -> list[bool]:
         self.check_buffers(blocks, keys)
-        result = [False] * len(keys)
         with self._lock:
             known = {i for i, k in enumerate(keys) if (tenant, k) in self._written}
-        todo = [
-            i
-            for i in range(len(keys))
-            if i in known or self._quotas.reserve(tenant, self.block_bytes)
-        ]
+        todo = [i for i in range(len(keys)) if i in known or self.reserve(tenant)]
         done: set[int] = set()
-        pending = todo
         try:
-            while pending:
-                slots = self._staging.acquire(len(pending))
-                chunk, pending = pending[: len(slots)], pending[len(slots) :]
-                try:
-                    oks = self.breaker.call(
-                        partial(self._put_chunk, keys, blocks, chunk, slots, tenant),
-                        [False] * len(chunk),
-                        (_ServerDown,),
-                    )
-                finally:
-                    self._staging.release(slots)
-                for i, ok in zip(chunk, oks, strict=True):
-                    result[i] = ok
-                    if ok:
-                        done.add(i)
+            oks = self._staged(todo, partial(self._put_chunk, keys, blocks, tenant))
+            done = {i for i, ok in oks.items() if ok}
         finally:
-            for i in todo:
-                if i not in done and i not in known:
-                    self._quotas.release(tenant, self.block_bytes)
+            self.refund(tenant, sum(1 for i in todo if i not in done and i not in known))
         if done:
             with self._lock:
                 for i in done:
                     self._written[(tenant, keys[i])] = None
                 while len(self._written) > _TRACK_MAX:
                     del self._written[next(iter(self._written))]
-        return result
+        return [i in done for i in range(len(keys))]
 
     def _put_chunk(
         self,
         keys: Sequence[BlockKey],
         blocks: Sequence[Array],
+        tenant: str,
         idx: list[int],
         slots: list[int],
-        tenant: str,
     ) -> list[bool]:
         client = self._ready()
         st = self._staging
@@ -452,16 +334,16 @@ class MooncakeTier(Tier):
         try:
             for j, (i, slot) in enumerate(zip(idx, slots, strict=True)):
                 key, block = keys[i], blocks[i]
-                flat = None if self._sealer.encrypted else _flat(block)
+                flat = None if self.sealer.encrypted else flat_bytes(block)
                 if flat is not None:  # zero-copy: header staged, payload from the caller
                     hdr = codec.pack_header(key, fp, n, codec.checksum(flat))
                     st.view(slot, h)[:] = np.frombuffer(hdr, np.uint8)
                     ptr = int(flat.ctypes.data)
-                    self._register_for_call(client, ptr, n, registered)
+                    self._regs.for_call(client, ptr, n, registered)
                     ptrs.append([st.ptr(slot), ptr])
                     sizes.append([h, n])
                     continue
-                value = self._sealer.seal(key, block, tenant)
+                value = self.sealer.seal(key, block, tenant)
                 if value is None:
                     ok[j] = False
                     ptrs.append([st.ptr(slot)])
@@ -478,8 +360,7 @@ class MooncakeTier(Tier):
                 names, [ptrs[j] for j in live], [sizes[j] for j in live], self._replicate
             )
         finally:
-            for ptr in registered:
-                client.unregister_buffer(ptr)
+            self._regs.release(client, registered)
         self._check_down(codes)
         for j, c in zip(live, codes, strict=True):
             ok[j] = c == 0
@@ -489,35 +370,22 @@ class MooncakeTier(Tier):
         self, keys: Sequence[BlockKey], outs: Sequence[Array], tenant: str = ""
     ) -> list[bool]:
         self.check_buffers(outs, keys)
-        result = [False] * len(keys)
-        pending = list(range(len(keys)))
-        while pending:
-            slots = self._staging.acquire(len(pending))
-            chunk, pending = pending[: len(slots)], pending[len(slots) :]
-            try:
-                oks = self.breaker.call(
-                    partial(self._get_chunk, keys, outs, chunk, slots, tenant),
-                    [False] * len(chunk),
-                    (_ServerDown,),
-                )
-            finally:
-                self._staging.release(slots)
-            for i, ok in zip(chunk, oks, strict=True):
-                result[i] = ok
-        return result
+        oks = self._staged(list(range(len(keys))), partial(self._get_chunk, keys, outs, tenant))
+        return [oks[i] for i in range(len(keys))]
 
     def _get_chunk(
         self,
         keys: Sequence[BlockKey],
         outs: Sequence[Array],
+        tenant: str,
         idx: list[int],
         slots: list[int],
-        tenant: str,
     ) -> list[bool]:
         client = self._ready()
         st = self._staging
         h = codec.HEADER_BYTES
         n = self.block_bytes
+        value_bytes = self.value_bytes
         fp = self.layout.fingerprint
         ptrs: list[list[int]] = []
         sizes: list[list[int]] = []
@@ -526,29 +394,28 @@ class MooncakeTier(Tier):
         for i, slot in zip(idx, slots, strict=True):
             out = outs[i]
             flat = None
-            if not self._sealer.encrypted and out.flags.writeable:
-                flat = _flat(out)
+            if not self.sealer.encrypted and out.flags.writeable:
+                flat = flat_bytes(out)
             direct.append(flat)
             if flat is not None:
                 ptr = int(flat.ctypes.data)
-                self._register_for_call(client, ptr, n, registered)
+                self._regs.for_call(client, ptr, n, registered)
                 ptrs.append([st.ptr(slot), ptr])
                 sizes.append([h, n])
             else:
                 ptrs.append([st.ptr(slot)])
-                sizes.append([self._value_bytes])
+                sizes.append([value_bytes])
         names = self._names([keys[i] for i in idx], tenant)
         try:
             codes = client.batch_get_into_multi_buffers(names, ptrs, sizes)
         finally:
-            for ptr in registered:
-                client.unregister_buffer(ptr)
+            self._regs.release(client, registered)
         self._check_down(codes)
         ok = [False] * len(idx)
         bad: list[str] = []
         for j, (i, slot, code) in enumerate(zip(idx, slots, codes, strict=True)):
             key = keys[i]
-            if code != self._value_bytes:
+            if code != value_bytes:
                 if self._foreign_size(client, names[j], code):
                     bad.append(names[j])
                 continue
@@ -562,9 +429,7 @@ class MooncakeTier(Tier):
                     and codec.checksum(flat) == hdr.checksum
                 )
             else:
-                good = self._sealer.open_into(
-                    key, st.view(slot, self._value_bytes).data, outs[i], tenant
-                )
+                good = self.sealer.open_into(key, st.view(slot, value_bytes).data, outs[i], tenant)
             if good:
                 ok[j] = True
             else:
@@ -584,7 +449,7 @@ class MooncakeTier(Tier):
             return True
         if code == TRANSFER_FAIL:
             size = int(client.get_size(name))
-            return size >= 0 and size != self._value_bytes
+            return size >= 0 and size != self.value_bytes
         return False
 
     def delete(self, keys: Sequence[BlockKey], tenant: str = "") -> None:
@@ -595,7 +460,7 @@ class MooncakeTier(Tier):
             codes = self._ready().batch_remove(self._names(keys, tenant), True)
             self._check_down(codes)
 
-        self.breaker.call(remove, None, (_ServerDown,))
+        self.guard(remove, None)
         self._forget(tenant, keys)
 
     def close(self) -> None:
@@ -606,7 +471,6 @@ class MooncakeTier(Tier):
             self._closed = True
             client, self._client = self._client, None
         if client is not None:
-            for ptr in [self._staging.base, *self._pinned]:
-                client.unregister_buffer(ptr)
-            self._pinned.clear()
+            client.unregister_buffer(self._staging.base)
+            self._regs.unpin_all(client)
             client.close()

@@ -54,19 +54,13 @@ from redis.backoff import NoBackoff
 from redis.connection import Connection, PythonRespSerializer, SSLConnection, parse_url
 from redis.retry import Retry
 
-from kvtier.config import check_keys, parse_size
+from kvtier.config import parse_size
 from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
-from kvtier.tiers.base import Array, Tier, TierUsage
-from kvtier.tiers.breaker import CircuitBreaker
-from kvtier.tiers.secure import (
-    SECURITY_KEYS,
-    BlockSealer,
-    TenantQuotas,
-    security_from_config,
-    tenant_token,
-)
+from kvtier.tiers.base import Array, TierUsage
+from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.secure import BlockSealer, TenantQuotas, tenant_token
 
 log = logging.getLogger(__name__)
 
@@ -162,12 +156,11 @@ class RedisOptions:
         return redis.Redis(connection_pool=pool)
 
 
-class RedisTier(Tier):
+class RedisTier(RemoteTier):
     """Shared tier on Redis/Valkey (single server or Cluster). Thread-safe."""
 
     name = "redis"
-    shared = True
-    persistent = False
+    errors = _ERRORS
 
     def __init__(
         self,
@@ -182,7 +175,9 @@ class RedisTier(Tier):
         sealer: BlockSealer | None = None,
         quotas: TenantQuotas | None = None,
     ) -> None:
-        super().__init__(layout)
+        super().__init__(
+            layout, breaker_name="redis tier", cooldown_s=cooldown_s, sealer=sealer, quotas=quotas
+        )
         if hash_tag not in ("tenant", "block"):
             raise ConfigError(f"redis tier: hash_tag must be 'tenant' or 'block', got {hash_tag!r}")
         if not prefix or any(c in prefix for c in "{} "):
@@ -195,9 +190,6 @@ class RedisTier(Tier):
         self.prefix = prefix
         self.hash_tag = hash_tag
         self.ttl_s = ttl_s
-        self.sealer = sealer or BlockSealer(layout)
-        self.quotas = quotas or TenantQuotas(name="redis")
-        self.breaker = CircuitBreaker("redis tier", cooldown_s)
         self._batch = max(1, batch_bytes // self.sealer.value_bytes)
         self._client: redis.Redis | redis.cluster.RedisCluster | None = None
         self._script: Any = None
@@ -220,13 +212,12 @@ class RedisTier(Tier):
             "connect_timeout",
         }
         tier_keys = {"prefix", "hash_tag", "ttl", "cooldown", "batch_bytes"}
-        check_keys("tiers.redis", spec, opt_keys | tier_keys | SECURITY_KEYS)
+        sealer, quotas = cls.security_section(layout, spec, "tiers.redis", opt_keys | tier_keys)
         opts = {k: spec[k] for k in opt_keys if k in spec}
         if "cluster" in opts:
             if not isinstance(opts["cluster"], list | tuple):
                 raise ConfigError("tiers.redis cluster must be a list of 'host:port' strings")
             opts["cluster"] = tuple(str(n) for n in opts["cluster"])
-        sealer, quotas = security_from_config(layout, spec, "tiers.redis")
         return cls(
             layout,
             RedisOptions(**opts),
@@ -240,14 +231,6 @@ class RedisTier(Tier):
         )
 
     # -- plumbing --------------------------------------------------------------------------
-    @property
-    def healthy(self) -> bool:
-        return self.breaker.healthy
-
-    @property
-    def capacity_blocks(self) -> int:
-        return 0
-
     def redis_key(self, key: BlockKey, tenant: str) -> str:
         """The Redis key of block ``key`` of ``tenant`` (hash tag per ``hash_tag``)."""
         t = tenant_token(tenant)
@@ -283,7 +266,7 @@ class RedisTier(Tier):
                 )
             return sum(1 for _ in client.scan_iter(match=pattern, count=1000))
 
-        return TierUsage(self.breaker.call(count, 0, _ERRORS), 0, self.block_bytes)
+        return TierUsage(self.guard(count, 0), 0, self.block_bytes)
 
     def contains_prefix(self, keys: Sequence[BlockKey], tenant: str = "") -> int:
         if not keys:
@@ -300,7 +283,7 @@ class RedisTier(Tier):
             found = pipe.execute()
             return next((i for i, f in enumerate(found) if not f), len(found))
 
-        return self.breaker.call(probe, 0, _ERRORS)
+        return self.guard(probe, 0)
 
     # -- data ------------------------------------------------------------------------------
     def get_into(
@@ -318,7 +301,7 @@ class RedisTier(Tier):
                     pipe.get(n)
                 return list(pipe.execute())
 
-            values: list[bytes | None] = self.breaker.call(fetch, [], _ERRORS)
+            values: list[bytes | None] = self.guard(fetch, [])
             if not values:
                 break  # server down: the rest are misses too
             for i, name, value in zip(chunk, names, values, strict=True):
@@ -331,7 +314,7 @@ class RedisTier(Tier):
                     bad.append(name)
         if bad:
             no_reply: list[int] = []
-            self.breaker.call(lambda: self._delete_names(bad), no_reply, _ERRORS)
+            self.guard(lambda: self._delete_names(bad), no_reply)
         return result
 
     def put(
@@ -339,7 +322,7 @@ class RedisTier(Tier):
     ) -> list[bool]:
         self.check_buffers(blocks, keys)
         result = [False] * len(keys)
-        charge = self.block_bytes if self.quotas.active else 0
+        charge = self.quotas.active
         for chunk in self._chunks(len(keys)):
             present = self._present(keys, chunk, tenant) if charge else set()
             if present is None:
@@ -349,11 +332,8 @@ class RedisTier(Tier):
                 if i in present:  # kept as it is, and not charged again
                     result[i] = True
                     continue
-                if charge and not self.quotas.reserve(tenant, charge):
-                    continue
-                value = self.sealer.seal(keys[i], blocks[i], tenant)
+                value = self.seal_charged(keys[i], blocks[i], tenant)
                 if value is None:
-                    self.quotas.release(tenant, charge)
                     continue
                 batch.append((i, self.redis_key(keys[i], tenant), value))
             if not batch:
@@ -365,12 +345,12 @@ class RedisTier(Tier):
                     pipe.set(name, value, nx=True, ex=self.ttl_s or None)
                 return list(pipe.execute())
 
-            replies: list[Any] = self.breaker.call(store, [], _ERRORS)
+            replies: list[Any] = self.guard(store, [])
             for j, (i, _, _) in enumerate(batch):
                 stored = bool(replies[j]) if replies else False
                 result[i] = stored or bool(replies)  # None reply: already present, kept
-                if charge and not stored:
-                    self.quotas.release(tenant, charge)
+                if not stored:
+                    self.refund(tenant)
         return result
 
     def _present(self, keys: Sequence[BlockKey], chunk: range, tenant: str) -> set[int] | None:
@@ -383,7 +363,7 @@ class RedisTier(Tier):
                 pipe.exists(n)
             return {i for i, f in zip(chunk, pipe.execute(), strict=True) if f}
 
-        return self.breaker.call(probe, None, _ERRORS)
+        return self.guard(probe, None)
 
     def _delete_names(self, names: list[str]) -> list[int]:
         pipe = self._pipeline()
@@ -395,11 +375,8 @@ class RedisTier(Tier):
         if not keys:
             return
         names = [self.redis_key(k, tenant) for k in keys]
-        removed: list[int] = self.breaker.call(lambda: self._delete_names(names), [], _ERRORS)
-        if self.quotas.active:
-            for r in removed:
-                if r:
-                    self.quotas.release(tenant, self.block_bytes)
+        removed: list[int] = self.guard(lambda: self._delete_names(names), [])
+        self.refund(tenant, sum(1 for r in removed if r))
 
     def close(self) -> None:
         with self._lock:

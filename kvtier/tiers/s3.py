@@ -48,19 +48,13 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from kvtier.config import check_keys, parse_size
+from kvtier.config import parse_size
 from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
-from kvtier.tiers.base import Array, Tier, TierUsage
-from kvtier.tiers.breaker import CircuitBreaker
-from kvtier.tiers.secure import (
-    SECURITY_KEYS,
-    BlockSealer,
-    TenantQuotas,
-    security_from_config,
-    tenant_token,
-)
+from kvtier.tiers.base import Array, TierUsage
+from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.secure import BlockSealer, TenantQuotas, tenant_token
 
 log = logging.getLogger(__name__)
 
@@ -114,12 +108,11 @@ class S3Options:
         )
 
 
-class S3Tier(Tier):
+class S3Tier(RemoteTier):
     """Archive tier on an S3-protocol object store. Thread-safe."""
 
     name = "s3"
-    shared = True
-    persistent = False
+    errors = _ERRORS
 
     def __init__(
         self,
@@ -135,7 +128,9 @@ class S3Tier(Tier):
         sealer: BlockSealer | None = None,
         quotas: TenantQuotas | None = None,
     ) -> None:
-        super().__init__(layout)
+        super().__init__(
+            layout, breaker_name="s3 tier", cooldown_s=cooldown_s, sealer=sealer, quotas=quotas
+        )
         prefix = prefix.strip("/")
         if not prefix:
             raise ConfigError("s3 tier: prefix must be a non-empty path")
@@ -149,9 +144,6 @@ class S3Tier(Tier):
         self.ttl_days = ttl_days
         self.multipart_threshold = multipart_threshold
         self.multipart_chunk = multipart_chunk
-        self.sealer = sealer or BlockSealer(layout)
-        self.quotas = quotas or TenantQuotas(name="s3")
-        self.breaker = CircuitBreaker("s3 tier", cooldown_s)
         self._pool = ThreadPoolExecutor(options.workers, thread_name_prefix="kvtier-s3")
         self._parts = ThreadPoolExecutor(options.workers, thread_name_prefix="kvtier-s3-part")
         self._client: Any = None
@@ -177,8 +169,7 @@ class S3Tier(Tier):
             "multipart_chunk",
             "cooldown",
         }
-        check_keys("tiers.s3", spec, opt_keys | tier_keys | SECURITY_KEYS)
-        sealer, quotas = security_from_config(layout, spec, "tiers.s3")
+        sealer, quotas = cls.security_section(layout, spec, "tiers.s3", opt_keys | tier_keys)
         return cls(
             layout,
             S3Options(**{k: spec[k] for k in opt_keys if k in spec}),
@@ -197,14 +188,6 @@ class S3Tier(Tier):
         )
 
     # -- plumbing --------------------------------------------------------------------------
-    @property
-    def healthy(self) -> bool:
-        return self.breaker.healthy
-
-    @property
-    def capacity_blocks(self) -> int:
-        return 0
-
     def object_key(self, key: BlockKey, tenant: str) -> str:
         h = key.hex()
         return f"{self.prefix}/{tenant_token(tenant)}/{h[:2]}/{h}"
@@ -245,7 +228,7 @@ class S3Tier(Tier):
                 Bucket=bucket, LifecycleConfiguration={"Rules": rules}
             )
 
-    def _guard(self, fn: Callable[[], T], fallback: T) -> T:
+    def guard(self, fn: Callable[[], T], fallback: T) -> T:
         """``fn()`` through the breaker; after a failure the next trial starts from a fresh
         client and re-prepares the bucket (a restarted store may have lost it)."""
 
@@ -257,7 +240,7 @@ class S3Tier(Tier):
                     self._client = None
                 raise
 
-        return self.breaker.call(run, fallback, _ERRORS)
+        return super().guard(run, fallback)
 
     def _each(self, fn: Callable[[int], T], n: int, fallback: T) -> list[T]:
         """``[fn(i) for i in range(n)]`` on the pool; all ``fallback`` if the server fails."""
@@ -266,7 +249,7 @@ class S3Tier(Tier):
             self.client()
             return list(self._pool.map(fn, range(n)))
 
-        return self._guard(run, [fallback] * n)
+        return self.guard(run, [fallback] * n)
 
     # -- queries ---------------------------------------------------------------------------
     def usage(self) -> TierUsage:
@@ -280,7 +263,7 @@ class S3Tier(Tier):
             )
             return sum(int(p.get("KeyCount", 0)) for p in pages)
 
-        return TierUsage(self._guard(count, 0), 0, self.block_bytes)
+        return TierUsage(self.guard(count, 0), 0, self.block_bytes)
 
     def _exists(self, name: str) -> bool:
         try:
@@ -378,18 +361,20 @@ class S3Tier(Tier):
         self, keys: Sequence[BlockKey], blocks: Sequence[Array], tenant: str = ""
     ) -> list[bool]:
         self.check_buffers(blocks, keys)
-        charge = self.block_bytes if self.quotas.active else 0
+        charge = self.quotas.active
 
         def one(i: int) -> bool:
-            if charge and self._exists(self.object_key(keys[i], tenant)):
+            name = self.object_key(keys[i], tenant)
+            if charge and self._exists(name):
                 return True  # kept as it is, and not charged again
-            if charge and not self.quotas.reserve(tenant, charge):
+            value = self.seal_charged(keys[i], blocks[i], tenant)
+            if value is None:
                 return False
-            value = self.sealer.seal(keys[i], blocks[i], tenant)
-            ok = value is not None and self._upload(self.object_key(keys[i], tenant), value)
-            if not ok and charge:
-                self.quotas.release(tenant, charge)
-            return ok
+            try:
+                return self._upload(name, value)
+            except BaseException:
+                self.refund(tenant)  # not stored: the charge goes back
+                raise
 
         return self._each(one, len(keys), False)
 
@@ -400,8 +385,7 @@ class S3Tier(Tier):
         if self.quotas.active:  # refunds need to know which were present
             present = self._each(lambda i: self._exists(names[i]), len(names), False)
             names = [n for n, p in zip(names, present, strict=True) if p]
-            for _ in names:
-                self.quotas.release(tenant, self.block_bytes)
+            self.refund(tenant, len(names))
 
         def drop() -> None:
             for start in range(0, len(names), 1000):  # DeleteObjects takes up to 1000 keys
@@ -411,7 +395,7 @@ class S3Tier(Tier):
                 )
 
         if names:
-            self._guard(drop, None)
+            self.guard(drop, None)
 
     def keys_of(self, tenant: str) -> Iterable[str]:
         """Object names held for ``tenant`` (a listing; for tools and tests)."""

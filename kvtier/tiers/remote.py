@@ -1,0 +1,100 @@
+"""What every tier on a shared server has in common: sealing, tenant quotas, a circuit breaker.
+
+The Redis, Mooncake Store and S3 tiers differ in how they move bytes; around that they do the
+same things, gathered here once:
+
+- **Sealing.** Every value is one ``BlockSealer`` frame (header + payload, or AES-GCM per tenant).
+- **Quotas.** ``reserve``/``refund`` charge whole blocks to a tenant's ``TenantQuotas`` budget
+  (a no-op while no quota is configured); ``seal_charged`` is "reserve, then seal, refunding if
+  the tenant has no key".
+- **Outages.** ``guard(fn, fallback)`` runs a server call through the tier's ``CircuitBreaker``:
+  an error of ``errors`` opens it and the caller gets ``fallback`` (a miss, ``False``), never an
+  exception. ``healthy`` is the breaker's state.
+- **Capacity.** The server evicts (or expires) on its own: ``capacity_blocks`` is 0.
+- **Config.** ``security_section`` checks a ``[[tiers]]`` table's keys (the tier's own plus
+  ``SECURITY_KEYS``) and builds the sealer and quotas from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
+
+from kvtier.config import check_keys
+from kvtier.keys import BlockKey
+from kvtier.layout import KVLayout
+from kvtier.tiers.base import Array, Tier
+from kvtier.tiers.breaker import CircuitBreaker
+from kvtier.tiers.secure import SECURITY_KEYS, BlockSealer, TenantQuotas, security_from_config
+
+T = TypeVar("T")
+
+
+class RemoteTier(Tier):
+    """Base class of the shared tiers; see the module docstring. Thread-safe."""
+
+    shared = True
+    persistent = False
+    #: exceptions that mean "the server failed" (they open the breaker, never reach callers)
+    errors: tuple[type[BaseException], ...] = (OSError,)
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        breaker_name: str,
+        cooldown_s: float,
+        sealer: BlockSealer | None = None,
+        quotas: TenantQuotas | None = None,
+    ) -> None:
+        super().__init__(layout)
+        self.sealer = sealer or BlockSealer(layout)
+        self.quotas = quotas or TenantQuotas(name=self.name)
+        self.breaker = CircuitBreaker(breaker_name, cooldown_s)
+
+    @staticmethod
+    def security_section(
+        layout: KVLayout, spec: Mapping[str, Any], section: str, allowed: Iterable[str]
+    ) -> tuple[BlockSealer, TenantQuotas]:
+        """Check ``spec``'s keys against ``allowed`` plus ``SECURITY_KEYS`` (``ConfigError``
+        naming an unknown one), then build the sealer and quotas it configures."""
+        check_keys(section, spec, set(allowed) | SECURITY_KEYS)
+        return security_from_config(layout, spec, section)
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def capacity_blocks(self) -> int:
+        return 0
+
+    @property
+    def healthy(self) -> bool:
+        return self.breaker.healthy
+
+    @property
+    def value_bytes(self) -> int:
+        """Size of one stored value (header + payload, + nonce and tag when encrypted)."""
+        return self.sealer.value_bytes
+
+    # -- outages ---------------------------------------------------------------------------
+    def guard(self, fn: Callable[[], T], fallback: T) -> T:
+        """``fn()`` through the breaker; ``fallback`` if it is open or ``fn`` raises ``errors``."""
+        return self.breaker.call(fn, fallback, self.errors)
+
+    # -- quotas ----------------------------------------------------------------------------
+    def reserve(self, tenant: str) -> bool:
+        """Charge one block to ``tenant``; ``False`` (counted, logged) if over its quota."""
+        return not self.quotas.active or self.quotas.reserve(tenant, self.block_bytes)
+
+    def refund(self, tenant: str, blocks: int = 1) -> None:
+        """Give back ``blocks`` charged blocks (deleted, or reserved but not stored)."""
+        if self.quotas.active and blocks:
+            self.quotas.release(tenant, blocks * self.block_bytes)
+
+    def seal_charged(self, key: BlockKey, block: Array, tenant: str) -> memoryview | None:
+        """``reserve`` then seal ``block``; ``None`` (nothing charged) if refused or unsealable."""
+        if not self.reserve(tenant):
+            return None
+        value = self.sealer.seal(key, block, tenant)
+        if value is None:
+            self.refund(tenant)
+        return value
