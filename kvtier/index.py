@@ -47,6 +47,9 @@ class BlockIndex:
             for c in capacities
         ]
         self.resident = [0] * len(capacities)  # complete + pending-in, per tier
+        for pol in self.policies[1:]:
+            if pol is not None:
+                pol.feed_by_demotion()
 
     # -- queries ---------------------------------------------------------------------------
     def readable(self, key: BlockKey) -> Entry | None:

@@ -55,6 +55,11 @@ class EvictionPolicy(ABC, Generic[K]):
         nothing. Bounded work: implementations should not scan more than needed.
         """
 
+    def feed_by_demotion(self) -> None:
+        """Called once when this policy serves a tier filled by demotions from the tier above:
+        an ``insert`` there is a batch of victims, not one request's chain. Policies that read
+        meaning into the shape of an insert switch that off here."""
+
     @abstractmethod
     def __len__(self) -> int: ...
 

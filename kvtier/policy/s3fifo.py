@@ -52,6 +52,9 @@ class S3FIFO(EvictionPolicy[K]):
     #: new keys at the end of an ``insert`` that enter probation as first victims
     tail_blocks: int = 3
 
+    def feed_by_demotion(self) -> None:
+        self.tail_blocks = 0  # a batch of victims has no dead tail
+
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self._small: OrderedDict[K, None] = OrderedDict()

@@ -34,7 +34,7 @@ import numpy.typing as npt
 from kvtier.errors import ConfigError
 from kvtier.policy import POLICIES, EvictionPolicy, make_policy
 from kvtier.policy.base import always
-from kvtier.policy.s3fifo import S3FIFO, BlockS3FIFO
+from kvtier.policy.s3fifo import BlockS3FIFO
 from kvtier.sim.belady import Belady, FutureOracle
 from kvtier.sim.trace import Trace
 
@@ -109,8 +109,7 @@ def replay(
     oracle = FutureOracle(trace) if any(s.policy.lower() == "belady" for s in specs) else None
     pols = [_build_policy(s, oracle) for s in specs]
     for pol in pols[1:]:
-        if isinstance(pol, S3FIFO):
-            pol.tail_blocks = 0  # fed by demotions: an insert there is not a request's chain
+        pol.feed_by_demotion()  # an insert there is a batch of victims, not a request's chain
     caps = [s.capacity_blocks for s in specs]
     where: dict[int, int] = {}
     bt = trace.block_tokens
