@@ -6,10 +6,8 @@ through the *same* ``MooncakeDistributedStore`` client (the tier's own): the tie
 as ``batch_put_from``/``batch_get_into`` of values of the same size, no framing and no
 verification. Both sides move memory registered once with the transfer engine (the raw side
 with ``register_buffer``, the tier's sources and destinations with ``MooncakeTier.register``, as
-a deployment registers its host arena). Rounds alternate the order (raw then tier, tier then
-raw, ...) after one unmeasured warm-up round; the best round of each and the median of the
-per-round tier/raw ratios are reported, so drift on a shared machine hits both alike. Each
-round's objects are removed after it.
+a deployment registers its host arena). Rounds are interleaved as ``kvtier.bench.remote``
+describes; each round's objects are removed after it.
 
 Without ``--master`` a ``mooncake_master`` and a ``mooncake_client`` holding the pool memory
 (``--pool-mib``) are started on 127.0.0.1 from the installed wheel and stopped by PID at the end:
@@ -20,19 +18,25 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import tempfile
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kvtier.bench.remote import (
+    Round,
+    bench_layout,
+    free_port,
+    interleaved,
+    random_blocks,
+    same_bytes,
+    wait_port,
+)
 from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
@@ -63,31 +67,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def bench_layout(block_mib: int) -> KVLayout:
-    """A layout whose block is exactly ``block_mib`` MiB (1 MiB per layer, 256 fp16 tokens)."""
-    if block_mib < 1:
-        raise ConfigError(f"--block-mib must be >= 1, got {block_mib}")
-    return KVLayout(layers=block_mib, kv_heads=8, head_dim=128, dtype="float16", block_tokens=256)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_port(port: int, proc: subprocess.Popen[bytes], what: str, log: Path) -> None:
-    for _ in range(300):
-        if proc.poll() is not None:
-            break
-        try:
-            with socket.create_connection(("127.0.0.1", port), 0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise ConfigError(f"{what} did not start: {log.read_text(errors='replace')[-1500:]}")
-
-
 @contextmanager
 def local_mooncake(pool_bytes: int) -> Iterator[str]:
     """A throwaway master plus a pool holder on 127.0.0.1; yields the master address."""
@@ -98,7 +77,7 @@ def local_mooncake(pool_bytes: int) -> Iterator[str]:
         )
     tmp = tempfile.TemporaryDirectory(prefix="kvtier-bench-mooncake-")
     workdir = Path(tmp.name)
-    port, holder_port = _free_port(), _free_port()
+    port, holder_port = free_port(), free_port()
     procs: list[subprocess.Popen[bytes]] = []
     common = ["--logtostderr=true", "--minloglevel=1"]
     try:
@@ -106,10 +85,10 @@ def local_mooncake(pool_bytes: int) -> Iterator[str]:
         with open(log, "ab") as f:
             procs.append(subprocess.Popen(
                 [str(master_bin), f"--rpc_port={port}", "--rpc_address=127.0.0.1",
-                 "--metrics_host=127.0.0.1", f"--metrics_port={_free_port()}", *common],
+                 "--metrics_host=127.0.0.1", f"--metrics_port={free_port()}", *common],
                 stdout=f, stderr=subprocess.STDOUT,
             ))  # fmt: skip
-        _wait_port(port, procs[-1], "mooncake_master", log)
+        wait_port(port, procs[-1], "mooncake_master", log)
         log = workdir / "pool.log"
         with open(log, "ab") as f:
             procs.append(subprocess.Popen(
@@ -118,7 +97,7 @@ def local_mooncake(pool_bytes: int) -> Iterator[str]:
                  "--host=127.0.0.1", f"--port={holder_port}", "--protocol=tcp", *common],
                 stdout=f, stderr=subprocess.STDOUT,
             ))  # fmt: skip
-        _wait_port(holder_port, procs[-1], "mooncake_client", log)
+        wait_port(holder_port, procs[-1], "mooncake_client", log)
         yield f"127.0.0.1:{port}"
     finally:
         for p in reversed(procs):
@@ -129,17 +108,6 @@ def local_mooncake(pool_bytes: int) -> Iterator[str]:
                 p.kill()
                 p.wait(10)
         tmp.cleanup()
-
-
-def gbps(nbytes: int, fn: Callable[[], list[Any]], want: object) -> float:
-    """Throughput of one batched call; raises if any of its per-item results is not ``want``."""
-    t0 = time.perf_counter()
-    results = fn()
-    dt = time.perf_counter() - t0
-    bad = [r for r in results if r != want]
-    if bad:
-        raise RuntimeError(f"{len(bad)} of {len(results)} transfers failed (e.g. {bad[0]!r})")
-    return nbytes / dt / 1e9
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -166,8 +134,8 @@ def _run(args: argparse.Namespace, lay: KVLayout, master: str) -> dict[str, Any]
         client = tier.client
         if client is None:
             raise ConfigError(f"cannot reach mooncake_master at {master}")
-        rng = np.random.default_rng(0)
-        blocks = [rng.integers(0, 2**16, size=lay.block_shape, dtype=np.uint16) for _ in range(n)]
+        rng = np.random.default_rng(1)
+        blocks = random_blocks(lay, n)
         outs = [np.ones(lay.block_shape, dtype=np.uint16) for _ in range(n)]
         value = tier.value_bytes  # the raw side moves values of the tier's size
         raw_src = [np.frombuffer(rng.bytes(value), np.uint8).copy() for _ in range(n)]
@@ -178,46 +146,32 @@ def _run(args: argparse.Namespace, lay: KVLayout, master: str) -> dict[str, Any]
             tier.register(b)
         src_ptrs = [a.ctypes.data for a in raw_src]
         dst_ptrs = [a.ctypes.data for a in raw_dst]
-        nbytes = n * lay.block_bytes
-        res: dict[str, list[float]] = {"store": [], "load": [], "raw_store": [], "raw_load": []}
-        for r in range(-1, args.rounds):  # round -1 warms connections and registrations
+        sizes = [value] * n
+
+        def make_round(r: int) -> Round:
             keys = [BlockKey(os.urandom(32)) for _ in range(n)]
             names = [f"{tier.prefix}/raw/{r}/{i}" for i in range(n)]
-            sizes = [value] * n
-            raw_put = partial(client.batch_put_from, names, src_ptrs, sizes)
-            raw_get = partial(client.batch_get_into, names, dst_ptrs, sizes)
-            steps = [
-                [("raw_store", raw_put, 0), ("store", partial(tier.put, keys, blocks), True)],
-                [("raw_load", raw_get, value), ("load", partial(tier.get_into, keys, outs), True)],
-            ]
-            for pair in steps:  # odd rounds run the tier first: order effects cancel out
-                for name, fn, want in pair[:: 1 if r % 2 == 0 else -1]:
-                    res[name].append(gbps(nbytes, fn, want))
-            if not all(o.tobytes() == b.tobytes() for o, b in zip(outs, blocks, strict=True)):
-                raise RuntimeError("tier get returned bytes that differ from what was put")
-            client.batch_remove(names, True)
-            tier.delete(keys)
-            if r < 0:
-                for v in res.values():
-                    v.clear()
+
+            def cleanup() -> None:
+                client.batch_remove(names, True)
+                tier.delete(keys)
+
+            return Round(
+                raw_store=lambda: all(
+                    c == 0 for c in client.batch_put_from(names, src_ptrs, sizes)
+                ),
+                store=lambda: all(tier.put(keys, blocks)),
+                raw_load=lambda: all(
+                    c == value for c in client.batch_get_into(names, dst_ptrs, sizes)
+                ),
+                load=lambda: all(tier.get_into(keys, outs)),
+                identical=lambda: same_bytes(outs, blocks),
+                cleanup=cleanup,
+            )
+
+        out = interleaved(make_round, args.rounds, n * lay.block_bytes)
         for a in raw_src + raw_dst:
             client.unregister_buffer(a.ctypes.data)
     finally:
         tier.close()
-    best = {f"{k}_gbps": max(v) for k, v in res.items()}
-    return {
-        "block_mib": args.block_mib,
-        "blocks": n,
-        "rounds": args.rounds,
-        "protocol": args.protocol,
-        **best,
-        "store_ratio": best["store_gbps"] / best["raw_store_gbps"],
-        "load_ratio": best["load_gbps"] / best["raw_load_gbps"],
-        # each round's tier/raw pair ran back to back: their median ratio resists drift
-        "store_ratio_median": _median_ratio(res["store"], res["raw_store"]),
-        "load_ratio_median": _median_ratio(res["load"], res["raw_load"]),
-    }
-
-
-def _median_ratio(tier: list[float], raw: list[float]) -> float:
-    return float(np.median([t / r for t, r in zip(tier, raw, strict=True)]))
+    return {**out, "block_mib": args.block_mib, "blocks": n, "protocol": args.protocol}
