@@ -30,7 +30,9 @@ import numpy as np
 
 from kvtier.bench.remote import (
     Round,
+    add_round_arguments,
     bench_layout,
+    bench_sealer,
     free_port,
     interleaved,
     random_blocks,
@@ -46,6 +48,7 @@ MIB = 1 << 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_round_arguments(parser, blocks=16, rounds=7)
     parser.add_argument(
         "--master", default="", help="host:port of mooncake_master (default: start one)"
     )
@@ -53,9 +56,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--protocol", default="tcp", choices=("tcp", "rdma"), help="transport (tcp)"
     )
     parser.add_argument("--local-hostname", default="127.0.0.1", help="this node's address")
-    parser.add_argument("--block-mib", type=int, default=4, help="block size in MiB (4)")
-    parser.add_argument("--blocks", type=int, default=16, help="blocks per round (16)")
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (7)")
     parser.add_argument(
         "--segment-mib",
         type=int,
@@ -129,6 +129,7 @@ def _run(args: argparse.Namespace, lay: KVLayout, master: str) -> dict[str, Any]
         segment_size=args.segment_mib * MIB,
         buffer_size=(n + 1) * (lay.block_bytes + MIB),
         prefix="bench" + uuid.uuid4().hex[:8],
+        sealer=bench_sealer(lay, args.encrypt),
     )
     try:
         client = tier.client
@@ -174,4 +175,10 @@ def _run(args: argparse.Namespace, lay: KVLayout, master: str) -> dict[str, Any]
             client.unregister_buffer(a.ctypes.data)
     finally:
         tier.close()
-    return {**out, "block_mib": args.block_mib, "blocks": n, "protocol": args.protocol}
+    return {
+        **out,
+        "block_bytes": lay.block_bytes,
+        "blocks": n,
+        "protocol": args.protocol,
+        "encrypted": bool(args.encrypt),
+    }

@@ -25,7 +25,9 @@ import redis
 
 from kvtier.bench.remote import (
     Round,
+    add_round_arguments,
     bench_layout,
+    bench_sealer,
     free_port,
     interleaved,
     random_blocks,
@@ -36,16 +38,12 @@ from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
 from kvtier.tiers.redis import RedisOptions, RedisTier
-from kvtier.tiers.secure import BlockSealer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_round_arguments(parser, blocks=32, rounds=3)
     parser.add_argument("--url", default="", help="redis://host:port (default: start a server)")
     parser.add_argument("--cluster", default="", help="comma-separated host:port startup nodes")
-    parser.add_argument("--block-mib", type=int, default=4, help="block size in MiB (4)")
-    parser.add_argument("--blocks", type=int, default=32, help="blocks per round (32)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (3)")
-    parser.add_argument("--encrypt", action="store_true", help="AES-GCM seal the tier's blocks")
 
 
 @contextmanager
@@ -80,7 +78,7 @@ def _run(
     args: argparse.Namespace, lay: KVLayout, url: str, cluster: tuple[str, ...]
 ) -> dict[str, Any]:
     opts = RedisOptions(url=url or "redis://127.0.0.1:6379", cluster=cluster, timeout=30.0)
-    sealer = BlockSealer(lay, os.urandom(32) if args.encrypt else b"")
+    sealer = bench_sealer(lay, args.encrypt)
     prefix = "bench" + uuid.uuid4().hex[:8]
     tier = RedisTier(lay, opts, prefix=prefix, sealer=sealer, batch_bytes=1 << 40)
     raw = redis.Redis.from_url(url) if not cluster else opts.connect()

@@ -15,6 +15,8 @@ the benches that start their own server.
 
 from __future__ import annotations
 
+import argparse
+import os
 import socket
 import subprocess
 import time
@@ -28,8 +30,22 @@ import numpy as np
 from kvtier.errors import ConfigError
 from kvtier.layout import KVLayout
 from kvtier.tiers.base import Array
+from kvtier.tiers.secure import BlockSealer
 
 STEPS = ("raw_store", "store", "raw_load", "load")
+
+
+def add_round_arguments(parser: argparse.ArgumentParser, blocks: int, rounds: int) -> None:
+    """The options every server bench takes: block size, blocks and rounds, encryption."""
+    parser.add_argument("--block-mib", type=int, default=4, help="block size in MiB (4)")
+    parser.add_argument("--blocks", type=int, default=blocks, help=f"blocks per round ({blocks})")
+    parser.add_argument("--rounds", type=int, default=rounds, help=f"interleaved rounds ({rounds})")
+    parser.add_argument("--encrypt", action="store_true", help="AES-GCM seal the tier's blocks")
+
+
+def bench_sealer(layout: KVLayout, encrypt: bool) -> BlockSealer:
+    """The tier's sealer: plain, or AES-GCM under a fresh random master key."""
+    return BlockSealer(layout, os.urandom(32) if encrypt else b"")
 
 
 def bench_layout(block_mib: int) -> KVLayout:

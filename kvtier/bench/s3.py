@@ -25,7 +25,9 @@ import numpy as np
 
 from kvtier.bench.remote import (
     Round,
+    add_round_arguments,
     bench_layout,
+    bench_sealer,
     free_port,
     interleaved,
     random_blocks,
@@ -34,17 +36,13 @@ from kvtier.bench.remote import (
 )
 from kvtier.keys import BlockKey
 from kvtier.tiers.s3 import S3Options, S3Tier
-from kvtier.tiers.secure import BlockSealer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_round_arguments(parser, blocks=16, rounds=3)
     parser.add_argument("--endpoint", default="", help="S3 endpoint URL (default: start moto)")
     parser.add_argument("--bucket", default="kvtier-bench", help="bucket (created if missing)")
-    parser.add_argument("--block-mib", type=int, default=4, help="block size in MiB (4)")
-    parser.add_argument("--blocks", type=int, default=16, help="blocks per round (16)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (3)")
     parser.add_argument("--workers", type=int, default=4, help="concurrent requests (4)")
-    parser.add_argument("--encrypt", action="store_true", help="AES-GCM seal the tier's blocks")
 
 
 @contextmanager
@@ -73,7 +71,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _run(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
     lay = bench_layout(args.block_mib)
     opts = S3Options(bucket=args.bucket, endpoint_url=endpoint, timeout=60.0, workers=args.workers)
-    sealer = BlockSealer(lay, os.urandom(32) if args.encrypt else b"")
+    sealer = bench_sealer(lay, args.encrypt)
     prefix = "bench" + uuid.uuid4().hex[:8]
     tier = S3Tier(lay, opts, prefix=prefix, create_bucket=True, sealer=sealer)
     tier.client()  # connect and create the bucket outside the timed part
