@@ -117,3 +117,23 @@ def test_from_config_via_registry(s3_endpoint: str) -> None:
 def test_bad_config_names_the_problem(spec: dict[str, Any], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         S3Tier.from_config(LAYOUT, spec)
+
+
+def test_foreign_objects_are_misses_and_dropped(s3_endpoint: str) -> None:
+    """A valid block copied under another key (same length: the zero-copy read path) and a
+    truncated one (the whole-value path) both read as misses and are deleted."""
+    tier = s3_tier(s3_endpoint)
+    try:
+        a, b, c = rand_key(), rand_key(), rand_key()
+        assert tier.put([a], [rand_block(seed=1)]) == [True]
+        client = tier.client()
+        value = client.get_object(Bucket=BUCKET, Key=tier.object_key(a, ""))["Body"].read()
+        client.put_object(Bucket=BUCKET, Key=tier.object_key(b, ""), Body=value)
+        client.put_object(Bucket=BUCKET, Key=tier.object_key(c, ""), Body=value[:-1])
+        assert tier.contains_prefix([b]) == 1 and tier.contains_prefix([c]) == 1
+        assert tier.get_into([b, c], [empty_block(), empty_block()]) == [False, False]
+        assert tier.contains_prefix([b]) == 0 and tier.contains_prefix([c]) == 0
+        out = empty_block()
+        assert tier.get_into([a], [out]) == [True]  # the original is untouched
+    finally:
+        tier.close()

@@ -62,10 +62,9 @@ from kvtier.tiers.mooncake_engine import (
     StagingArena,
     check_down,
     connect,
-    flat_bytes,
     package_binary,
 )
-from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.remote import RemoteTier, flat_bytes
 from kvtier.tiers.secure import BlockSealer, TenantQuotas, tenant_token
 
 log = logging.getLogger(__name__)
@@ -386,7 +385,6 @@ class MooncakeTier(RemoteTier):
         h = codec.HEADER_BYTES
         n = self.block_bytes
         value_bytes = self.value_bytes
-        fp = self.layout.fingerprint
         ptrs: list[list[int]] = []
         sizes: list[list[int]] = []
         direct: list[Array | None] = []
@@ -421,13 +419,7 @@ class MooncakeTier(RemoteTier):
                 continue
             flat = direct[j]
             if flat is not None:
-                hdr = codec.unpack_header(st.view(slot, h))
-                good = (
-                    codec.header_matches(hdr, key, fp, n)
-                    and hdr is not None
-                    and not hdr.flags
-                    and codec.checksum(flat) == hdr.checksum
-                )
+                good = self.sealer.verify_plain(key, st.view(slot, h), flat)
             else:
                 good = self.sealer.open_into(key, st.view(slot, value_bytes).data, outs[i], tenant)
             if good:

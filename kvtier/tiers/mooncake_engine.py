@@ -85,13 +85,6 @@ def check_down(client: Any, codes: Sequence[int], master: str) -> None:
         raise ServerDown(f"master {master} unreachable (codes {sorted(set(odd))})")
 
 
-def flat_bytes(a: Array) -> Array | None:
-    """A flat uint8 view of ``a`` if it is C-contiguous (zero-copy capable), else None."""
-    if not a.flags.c_contiguous:
-        return None
-    return a.reshape(-1).view(np.uint8)
-
-
 class StagingArena:
     """Fixed-size slots of one buffer (registered by the owner), handed out per call.
 

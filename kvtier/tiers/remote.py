@@ -11,6 +11,7 @@ same things, gathered here once:
   an error of ``errors`` opens it and the caller gets ``fallback`` (a miss, ``False``), never an
   exception. ``healthy`` is the breaker's state.
 - **Capacity.** The server evicts (or expires) on its own: ``capacity_blocks`` is 0.
+- **Zero-copy.** ``flat_bytes`` says whether a caller buffer can be read or written in place.
 - **Config.** ``security_section`` checks a ``[[tiers]]`` table's keys (the tier's own plus
   ``SECURITY_KEYS``) and builds the sealer and quotas from it.
 """
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
+
+import numpy as np
 
 from kvtier.config import check_keys
 from kvtier.keys import BlockKey
@@ -98,3 +101,10 @@ class RemoteTier(Tier):
         if value is None:
             self.refund(tenant)
         return value
+
+
+def flat_bytes(a: Array) -> Array | None:
+    """A flat uint8 view of ``a`` if it is C-contiguous (zero-copy capable), else None."""
+    if not a.flags.c_contiguous:
+        return None
+    return a.reshape(-1).view(np.uint8)
