@@ -59,10 +59,13 @@ def test_plan_manual_shape_and_errors(capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["plan", "--model", "nope"]) == 2
 
 
-def test_demo_runs_and_verifies(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+def test_synthetic_demo_runs_and_verifies(
+    tmp_path: object, capsys: pytest.CaptureFixture[str]
+) -> None:
     rc = main(
         [
             "demo",
+            "--synthetic",
             "--scale",
             "0.25",
             "--host",
@@ -80,3 +83,27 @@ def test_demo_runs_and_verifies(tmp_path: object, capsys: pytest.CaptureFixture[
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "matched a recomputation" in out and "per tier" in out
+
+
+def test_model_demo_is_the_default(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    rc = main(
+        [
+            "demo",
+            "--dir",
+            str(tmp_path),
+            "--sessions",
+            "2",
+            "--turns",
+            "2",
+            "--doc-tokens",
+            "200",
+            "--new-tokens",
+            "2",
+            "--host-blocks",
+            "6",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "real model" in out and "identical" in out and "DIFFERENT" not in out

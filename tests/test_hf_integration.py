@@ -194,10 +194,10 @@ def test_demo_sessions_are_identical_and_hit_both_tiers(tmp_path: Path) -> None:
 
     from rich.console import Console
 
-    from kvtier import demo_hf
+    from kvtier.cli import demo
 
     parser = argparse.ArgumentParser()
-    demo_hf.add_arguments(parser)
+    demo.add_arguments(parser)
     args = parser.parse_args(
         [
             "--dir",
@@ -210,12 +210,14 @@ def test_demo_sessions_are_identical_and_hit_both_tiers(tmp_path: Path) -> None:
             "2",
             "--host-blocks",
             "6",
+            "--doc-tokens",
+            "300",
         ]
     )
     console = Console(record=True, width=200)
-    assert demo_hf.run_demo(console, args) == 0
+    assert demo.demo_model.run(console, args) == 0
     text = console.export_text()
-    assert "nvmex" in text and "hostx" in text
+    assert "nvmex" in text and "hostx" in text and "identical" in text
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""``kvtier demo`` on a real model: multi-turn chat sessions through a transformers forward pass.
+"""``kvtier demo``: multi-turn chat sessions through a real transformers forward pass.
 
 Several sessions share a system prompt, each has its own document, and they take turns round-robin;
 every turn's prompt is the whole conversation so far plus a new message. The store is the embedded
@@ -23,19 +23,18 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from kvtier.cli.report import tier_table
 
-def add_arguments(p: argparse.ArgumentParser, shared: bool = True) -> None:
-    """Add the demo's options; ``shared=False`` leaves out ``--dir`` and ``--seed`` for a caller
-    (``kvtier demo``) that defines them itself."""
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of the real-model demo (``--dir`` and ``--seed`` are ``kvtier demo``'s)."""
     p.add_argument("--model", default=None, help="local checkpoint directory (default: random)")
-    if shared:
-        p.add_argument("--dir", default=".kvtier/demo", help="NVMe tier under DIR/hf (wiped)")
-        p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sessions", type=int, default=3)
     p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--doc-tokens", type=int, default=1024, help="each session's document")
     p.add_argument("--new-tokens", type=int, default=8, help="tokens generated per turn")
     p.add_argument("--block-tokens", type=int, default=64)
-    p.add_argument("--host-blocks", type=int, default=16, help="host tier size in blocks")
+    p.add_argument("--host-blocks", type=int, default=24, help="host tier size in blocks")
     p.add_argument("--nvme-blocks", type=int, default=1024, help="NVMe tier size in blocks")
     p.add_argument("--attn", default="kvtier_exact", choices=["kvtier_exact", "sdpa", "eager"])
 
@@ -55,7 +54,7 @@ def _messages(tok: Any, vocab: int, rng: np.random.Generator, n: int, text: str)
     return [int(x) for x in rng.integers(0, vocab, n)]
 
 
-def run_demo(console: Console, args: argparse.Namespace) -> int:
+def run(console: Console, args: argparse.Namespace) -> int:
     """Run the sessions; return 0 if every turn was bit-identical, else 1."""
     import torch
 
@@ -73,7 +72,8 @@ def run_demo(console: Console, args: argparse.Namespace) -> int:
     d.mkdir(parents=True)
     system = _messages(tok, vocab, rng, 192, "You are a careful assistant. " * 12)
     convs = [
-        system + _messages(tok, vocab, rng, int(rng.integers(200, 400)), f"Document {s}: " * 40)
+        system
+        + _messages(tok, vocab, rng, args.doc_tokens + int(rng.integers(0, 64)), f"Doc {s}: " * 99)
         for s in range(args.sessions)
     ]
     console.print(
@@ -81,19 +81,6 @@ def run_demo(console: Console, args: argparse.Namespace) -> int:
         f"{layout.layers} layers, {layout.kv_heads} KV heads, {layout.bytes_per_token:,} B/token, "
         f"blocks of {layout.block_tokens}; host {args.host_blocks} blocks over NVMe {d}"
     )
-    table = Table(title="turns")
-    for col in (
-        "session",
-        "turn",
-        "prompt",
-        "reused",
-        "from",
-        "TTFT kvtier",
-        "TTFT plain",
-        "speedup",
-        "identical",
-    ):
-        table.add_column(col, justify="right")
     totals: Counter[str] = Counter()
     t_cached = t_plain = 0.0
     all_same = True
@@ -117,25 +104,17 @@ def run_demo(console: Console, args: argparse.Namespace) -> int:
                 t_cached += got.ttft_s
                 t_plain += ref.ttft_s
                 where = " ".join(f"{k}x{v}" for k, v in src.items()) or "miss"
-                table.add_row(
-                    str(s),
-                    str(turn),
-                    str(len(conv)),
-                    str(got.n_reused),
-                    where,
-                    f"{got.ttft_s * 1e3:.0f} ms",
-                    f"{ref.ttft_s * 1e3:.0f} ms",
-                    f"{ref.ttft_s / got.ttft_s:.1f}x",
-                    "yes" if same else "[red]NO[/]",
-                )
                 console.print(
-                    f"session {s} turn {turn}: {len(conv)} tokens, reused {got.n_reused} "
-                    f"({where}), TTFT {got.ttft_s * 1e3:.0f} ms vs {ref.ttft_s * 1e3:.0f} ms"
+                    f"session {s} turn {turn}: {len(conv):5d} tokens, {got.n_reused:5d} reused "
+                    f"({where}); TTFT {got.ttft_s * 1e3:.0f} ms vs {ref.ttft_s * 1e3:.0f} ms "
+                    f"without kvtier; "
+                    + ("identical" if same else "[red]DIFFERENT[/]")
                     + ("" if tok is None else f": {tok.decode(got.tokens)!r}")
                 )
                 conv += got.tokens
         store.flush()
-    console.print(table)
+        stats = store.stats()
+    console.print(tier_table(stats, {"host": totals["host"], "nvme": totals["nvme"]}))
     summary = Table(title="summary")
     for col in (
         "prompt tokens",
@@ -161,14 +140,3 @@ def run_demo(console: Console, args: argparse.Namespace) -> int:
     console.print(summary)
     shutil.rmtree(d, ignore_errors=True)
     return 0 if all_same else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m kvtier.demo_hf`` until ``kvtier demo`` calls ``run_demo``."""
-    parser = argparse.ArgumentParser(prog="kvtier-demo-hf", description=__doc__)
-    add_arguments(parser)
-    return run_demo(Console(), parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

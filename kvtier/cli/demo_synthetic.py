@@ -1,4 +1,4 @@
-"""``kvtier demo``: a realistic mixed workload through the store on the embedded default.
+"""``kvtier demo --synthetic``: a large mixed workload through the store, synthetic KV.
 
 The embedded default is host DRAM + local NVMe (a directory under ``--dir``), no servers. Every
 request looks its prompt up, loads the cached prefix, *checks it against a recomputation*, then
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
+from kvtier.cli.report import tier_table
 from kvtier.config import parse_size
 from kvtier.layout import KVLayout
 from kvtier.store import TieredStore
@@ -30,22 +32,26 @@ DEMO_LAYOUT = KVLayout(layers=8, kv_heads=2, head_dim=64, dtype="float16")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="48MiB", help="host DRAM tier size (default 48MiB)")
-    p.add_argument("--nvme", default="512MiB", help="NVMe tier size, 0 to disable")
-    p.add_argument("--dir", default=".kvtier/demo", help="NVMe tier directory")
-    p.add_argument("--warm", action="store_true", help="keep what a previous run stored")
-    p.add_argument("--scale", type=float, default=1.0, help="workload size multiplier")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layers", type=int, default=DEMO_LAYOUT.layers)
-    p.add_argument("--kv-heads", type=int, default=DEMO_LAYOUT.kv_heads)
-    p.add_argument("--head-dim", type=int, default=DEMO_LAYOUT.head_dim)
+    """Options of the synthetic workload (``--dir`` and ``--seed`` are ``kvtier demo``'s)."""
+    p.add_argument("--host", default="48MiB", help="synthetic: host DRAM tier size")
+    p.add_argument("--nvme", default="512MiB", help="synthetic: NVMe tier size, 0 to disable")
+    p.add_argument("--warm", action="store_true", help="synthetic: keep a previous run's blocks")
+    p.add_argument("--scale", type=float, default=1.0, help="synthetic: workload multiplier")
+    p.add_argument("--layers", type=int, default=DEMO_LAYOUT.layers, help="synthetic layout")
+    p.add_argument("--kv-heads", type=int, default=DEMO_LAYOUT.kv_heads, help="synthetic layout")
+    p.add_argument("--head-dim", type=int, default=DEMO_LAYOUT.head_dim, help="synthetic layout")
 
 
 def build_store(args: argparse.Namespace, layout: KVLayout) -> TieredStore:
     tiers: list[dict[str, Any]] = [{"kind": "host", "capacity": args.host}]
     if "nvme" in TIER_KINDS and parse_size(args.nvme, "--nvme"):
         tiers.append(
-            {"kind": "nvme", "capacity": args.nvme, "paths": [args.dir], "warm_restart": args.warm}
+            {
+                "kind": "nvme",
+                "capacity": args.nvme,
+                "paths": [str(Path(args.dir) / "synthetic")],
+                "warm_restart": args.warm,
+            }
         )
     cfg = {
         "store": {
@@ -60,8 +66,8 @@ def build_store(args: argparse.Namespace, layout: KVLayout) -> TieredStore:
     return TieredStore.from_config(cfg)
 
 
-def run(args: argparse.Namespace) -> int:
-    console = Console()
+def run(console: Console, args: argparse.Namespace) -> int:
+    """Serve the workload; 0 if every cached prefix matched a recomputation."""
     layout = KVLayout(args.layers, args.kv_heads, args.head_dim, "float16")
     requests = list(mixed_workload(args.seed, args.scale))
     prompt_tokens = sum(len(r.tokens) for r in requests)
@@ -109,20 +115,7 @@ def _report(
     layout: KVLayout,
     elapsed: float,
 ) -> None:
-    t = Table(title="per tier")
-    for col in ("tier", "hit blocks", "read", "read GB/s", "written", "write GB/s", "used/cap"):
-        t.add_column(col, justify="right")
-    for name, s in stats["tiers"].items():
-        t.add_row(
-            name,
-            f"{hits[name]:,}",
-            f"{s['bytes_read'] / 2**20:,.0f} MiB",
-            f"{s['read_gbps']:.2f}",
-            f"{s['bytes_written'] / 2**20:,.0f} MiB",
-            f"{s['write_gbps']:.2f}",
-            f"{s['used_blocks']}/{s['capacity_blocks'] or '-'}",
-        )
-    console.print(t)
+    console.print(tier_table(stats, hits))
     k = Table(title="tokens saved (prefill skipped)")
     for col in ("traffic", "prompt tokens", "from cache", "share"):
         k.add_column(col, justify="right")
