@@ -1,4 +1,4 @@
-pytest_plugins = ["tests.servers"]
+pytest_plugins = ["tests.servers", "tests.mooncake_server"]
 
 
 def _cuda_available() -> bool:

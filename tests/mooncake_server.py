@@ -12,9 +12,10 @@ Mooncake Store has two server-side parts, both shipped in the PyPI wheel
   so a tier under test contributes no memory of its own and still reads and writes the pool --
   the topology of a remote memory pool.
 
-Both are ``ServerProcess``es (``tests/servers.py``): stopped by PID, logs kept in a temp dir. If
-the binaries cannot run here (no ``libibverbs1``, package missing) the fixture skips with the
-reason the binary gave.
+Registered as a pytest plugin (``tests/conftest.py``): the session fixture ``mooncake_cluster``
+is available to every test module. Both processes are ``ServerProcess``es (``tests/servers.py``):
+stopped by PID, logs kept in a temp dir. If the binaries cannot run here (no ``libibverbs1``,
+package missing) the fixture skips with the reason the binary gave.
 
 Note: the Mooncake transfer engine of every participant (the holder and each tier's client)
 listens on a TCP port it picks itself, on all interfaces; the master's RPC and metrics ports are

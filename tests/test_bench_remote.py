@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from tests.mooncake_server import MooncakeCluster
+
 pytestmark = pytest.mark.server
 KEYS = {"store_gbps", "load_gbps", "raw_store_gbps", "raw_load_gbps", "store_ratio_median"}
 
@@ -40,8 +42,5 @@ def test_bench_s3(s3_endpoint: str) -> None:
     _check(_bench("s3", "--endpoint", s3_endpoint, "--workers", "2"))
 
 
-def test_bench_mooncake() -> None:
-    from tests.mooncake_server import start_or_skip
-
-    with start_or_skip(64 << 20) as cluster:
-        _check(_bench("mooncake", "--master", cluster.address))
+def test_bench_mooncake(mooncake_cluster: MooncakeCluster) -> None:
+    _check(_bench("mooncake", "--master", mooncake_cluster.address, "--encrypt"))

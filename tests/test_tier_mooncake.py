@@ -24,13 +24,12 @@ from kvtier.tiers.base import Tier
 from kvtier.tiers.mooncake import MooncakeTier
 from kvtier.tiers.registry import make_tier
 from kvtier.tiers.secure import BlockSealer, TenantQuotas
-from tests.mooncake_server import MIB, MooncakeCluster, mooncake_cluster, start_or_skip
+from tests.mooncake_server import MIB, MooncakeCluster, start_or_skip
 from tests.tier_conformance import TierConformance, empty_block, rand_block, rand_key
 
 pytest.importorskip("mooncake", reason="install mooncake-transfer-engine-non-cuda")
 
 pytestmark = pytest.mark.server
-__all__ = ["mooncake_cluster"]  # the session fixture, used by the tests below
 
 
 def _tier(layout: KVLayout, master: str, **kw: object) -> MooncakeTier:
