@@ -1,35 +1,39 @@
-"""Two OS processes ("nodes"), each with its own host tier, share one Redis tier.
+"""Two OS processes ("nodes"), each with its own host tier, share one cluster tier.
 
 Node A stores a prompt's KV and flushes its write-through; node B -- a separate process that has
-never seen the prompt -- finds the prefix in the shared tier and loads it byte-identical.
+never seen the prompt -- finds the prefix in the shared tier and loads it byte-identical. Run
+against the Redis tier and the Mooncake Store tier, blocks encrypted; the shared tier is built
+from its config table (``make_tier``), as a deployment would.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
+from tests.mooncake_server import MooncakeCluster
+
 pytestmark = [pytest.mark.server, pytest.mark.timeout(180)]
 
 NODE = r"""
+import json
 import sys
 import numpy as np
 from kvtier.layout import KVLayout
 from kvtier.store import TieredStore
 from kvtier.tiers.host import HostTier
-from kvtier.tiers.redis import RedisOptions, RedisTier
-from kvtier.tiers.secure import BlockSealer
+from kvtier.tiers.registry import make_tier
 
-role, url, prefix, path = sys.argv[1:5]
+role, spec, path = sys.argv[1:4]
 lay = KVLayout(layers=2, kv_heads=2, head_dim=16, dtype="float16", block_tokens=16)
-shared = RedisTier(lay, RedisOptions(url=url), prefix=prefix,
-                   sealer=BlockSealer(lay, bytes(range(32))))
-tiers = [HostTier(lay, 64 * lay.block_bytes), shared]
+tiers = [HostTier(lay, 64 * lay.block_bytes), make_tier(lay, json.loads(spec))]
 data = np.load(path)
 tokens, kv = data["tokens"], data["kv"]
 with TieredStore(lay, tiers, tenant="acme", model_id="m") as store:
@@ -46,9 +50,9 @@ with TieredStore(lay, tiers, tenant="acme", model_id="m") as store:
 """
 
 
-def _node(role: str, url: str, prefix: str, path: Path) -> str:
+def _node(role: str, spec: dict[str, Any], path: Path) -> str:
     proc = subprocess.run(
-        [sys.executable, "-c", NODE, role, url, prefix, str(path)],
+        [sys.executable, "-c", NODE, role, json.dumps(spec), str(path)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -58,13 +62,30 @@ def _node(role: str, url: str, prefix: str, path: Path) -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
-def test_prefix_stored_by_node_a_loads_on_node_b(redis_url: str, tmp_path: Path) -> None:
+@pytest.fixture(params=["redis", "mooncake"])
+def shared_spec(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """The ``[[tiers]]`` table of the shared tier, with a fresh prefix and a master key."""
+    spec: dict[str, Any] = {"prefix": "xnode" + uuid.uuid4().hex[:8], "encryption_key": "5a" * 32}
+    if request.param == "redis":
+        return {"kind": "redis", "url": request.getfixturevalue("redis_url"), **spec}
+    cluster: MooncakeCluster = request.getfixturevalue("mooncake_cluster")
+    return {
+        "kind": "mooncake",
+        "master": cluster.address,
+        "segment_size": 0,
+        "buffer_size": "1MiB",
+        **spec,
+    }
+
+
+def test_prefix_stored_by_node_a_loads_on_node_b(
+    shared_spec: dict[str, Any], tmp_path: Path
+) -> None:
     rng = np.random.default_rng(1)
     n = 16 * 6
     tokens = rng.integers(0, 100_000, size=n)
     kv = rng.integers(0, 2**16, size=(2, 2, n, 2, 16), dtype=np.uint16).view(np.float16)
     path = tmp_path / "prompt.npz"
     np.savez(path, tokens=tokens, kv=kv)
-    prefix = "xnode" + uuid.uuid4().hex[:8]
-    assert _node("a", redis_url, prefix, path) == f"stored {n}"
-    assert _node("b", redis_url, prefix, path) == f"loaded {n} {n} True host"
+    assert _node("a", shared_spec, path) == f"stored {n}"
+    assert _node("b", shared_spec, path) == f"loaded {n} {n} True host"

@@ -299,57 +299,6 @@ def test_quota_refusal_is_counted(mooncake_cluster: MooncakeCluster) -> None:
         t.close()
 
 
-_NODE = r"""
-import sys
-import numpy as np
-from kvtier.layout import KVLayout
-from kvtier.store import TieredStore
-from kvtier.tiers.host import HostTier
-from kvtier.tiers.mooncake import MooncakeTier
-
-role, master, prefix, path = sys.argv[1:5]
-lay = KVLayout(layers=2, kv_heads=2, head_dim=16, dtype="float16", block_tokens=16)
-shared = MooncakeTier(lay, master, segment_size=0, buffer_size=1 << 20, prefix=prefix)
-data = np.load(path)
-tokens, kv = data["tokens"], data["kv"]
-with TieredStore(lay, [HostTier(lay, 64 * lay.block_bytes), shared], tenant="acme") as store:
-    if role == "a":
-        assert store.store(tokens, kv) == len(tokens)
-        store.flush()
-        print("stored", store.lookup(tokens))
-    else:
-        out = np.zeros_like(kv)
-        n, got = store.lookup(tokens), store.load(tokens, out)
-        same = bool(np.array_equal(out.view(np.uint16), kv.view(np.uint16)))
-        print("loaded", n, got, same)
-"""
-
-
-@pytest.mark.timeout(180)
-def test_prefix_stored_by_node_a_loads_on_node_b(
-    mooncake_cluster: MooncakeCluster, tmp_path: Path
-) -> None:
-    """Two processes with their own host tiers share the Mooncake pool through TieredStore."""
-    rng = np.random.default_rng(1)
-    n = 16 * 6
-    tokens = rng.integers(0, 100_000, size=n)
-    kv = rng.integers(0, 2**16, size=(2, 2, n, 2, 16), dtype=np.uint16).view(np.float16)
-    path = tmp_path / "prompt.npz"
-    np.savez(path, tokens=tokens, kv=kv)
-    prefix = f"xnode{os.urandom(4).hex()}"
-
-    def node(role: str) -> str:
-        proc = subprocess.run(
-            [sys.executable, "-c", _NODE, role, mooncake_cluster.address, prefix, str(path)],
-            capture_output=True, text=True, timeout=120, check=False,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return proc.stdout.strip().splitlines()[-1]
-
-    assert node("a") == f"stored {n}"
-    assert node("b") == f"loaded {n} {n} True"
-
-
 def test_hung_master_costs_one_rpc_timeout() -> None:
     """A master that stops answering (SIGSTOP) costs ``rpc_timeout_s`` once, then the breaker
     answers misses at once; when it answers again the tier comes back."""
