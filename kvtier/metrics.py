@@ -104,19 +104,7 @@ class MeteredTier(Tier):
     ) -> list[bool]:
         t0 = time.perf_counter()
         res = self.inner.get_into(keys, outs, tenant)
-        dt = time.perf_counter() - t0
-        hits = sum(res)
-        with self._lock:
-            s = self._by_tenant[tenant]
-            s.hits += hits
-            s.misses += len(res) - hits
-            s.bytes_read += hits * self.block_bytes
-            s.read_seconds += dt
-        if _prom is not None:
-            _prom.blocks.labels(self.name, tenant, "hit").inc(hits)
-            _prom.blocks.labels(self.name, tenant, "miss").inc(len(res) - hits)
-            _prom.bytes.labels(self.name, tenant, "read").inc(hits * self.block_bytes)
-            _prom.latency.labels(self.name, "get").observe(dt)
+        self._record(tenant, "read", res, time.perf_counter() - t0)
         return res
 
     def put(
@@ -124,20 +112,31 @@ class MeteredTier(Tier):
     ) -> list[bool]:
         t0 = time.perf_counter()
         res = self.inner.put(keys, blocks, tenant)
-        dt = time.perf_counter() - t0
+        self._record(tenant, "write", res, time.perf_counter() - t0)
+        return res
+
+    def _record(self, tenant: str, op: str, res: list[bool], seconds: float) -> None:
         ok = sum(res)
+        failed = len(res) - ok
+        nbytes = ok * self.block_bytes
         with self._lock:
             s = self._by_tenant[tenant]
-            s.puts += ok
-            s.put_failures += len(res) - ok
-            s.bytes_written += ok * self.block_bytes
-            s.write_seconds += dt
+            if op == "read":
+                s.hits += ok
+                s.misses += failed
+                s.bytes_read += nbytes
+                s.read_seconds += seconds
+            else:
+                s.puts += ok
+                s.put_failures += failed
+                s.bytes_written += nbytes
+                s.write_seconds += seconds
         if _prom is not None:
-            _prom.blocks.labels(self.name, tenant, "put").inc(ok)
-            _prom.blocks.labels(self.name, tenant, "put_failed").inc(len(res) - ok)
-            _prom.bytes.labels(self.name, tenant, "write").inc(ok * self.block_bytes)
-            _prom.latency.labels(self.name, "put").observe(dt)
-        return res
+            good, bad = ("hit", "miss") if op == "read" else ("put", "put_failed")
+            _prom.blocks.labels(self.name, tenant, good).inc(ok)
+            _prom.blocks.labels(self.name, tenant, bad).inc(failed)
+            _prom.bytes.labels(self.name, tenant, op).inc(nbytes)
+            _prom.latency.labels(self.name, "get" if op == "read" else "put").observe(seconds)
 
     def delete(self, keys: Sequence[BlockKey], tenant: str = "") -> None:
         self.inner.delete(keys, tenant)

@@ -24,7 +24,6 @@ and counted in ``stats()["store"]["invalid_blocks"]``. Nothing wrong is ever ret
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict
@@ -43,8 +42,6 @@ from kvtier.moves import Move, StagingPool, run_moves
 from kvtier.policy import DEFAULT_POLICY
 from kvtier.tiers.base import Array, Tier
 from kvtier.transfer import Job, TransferEngine
-
-log = logging.getLogger(__name__)
 
 
 class TieredStore:

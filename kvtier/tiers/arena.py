@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import logging
 from abc import abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
-from kvtier.tiers.base import Array, Tier, TierUsage
-from kvtier.tiers.slots import SlotTable
+from kvtier.tiers.base import Array
+from kvtier.tiers.slots import SlotTable, SlotTier
 
 log = logging.getLogger(__name__)
 
 
-class ArenaTier(Tier):
+class ArenaTier(SlotTier):
     """A tier of ``capacity_bytes // block_bytes`` fixed-size slots. Thread-safe."""
 
     def __init__(self, layout: KVLayout, capacity_bytes: int) -> None:
@@ -41,19 +41,6 @@ class ArenaTier(Tier):
     @abstractmethod
     def _read(self, slot: int, out: Array) -> bool:
         """Copy ``slot`` into ``out``; False if the bytes fail verification."""
-
-    @property
-    def capacity_blocks(self) -> int:
-        return self._table.capacity
-
-    def usage(self) -> TierUsage:
-        return TierUsage(len(self._table), self._table.capacity, self.block_bytes)
-
-    def contains_prefix(self, keys: Sequence[BlockKey], tenant: str = "") -> int:
-        return self._table.prefix_len(list(keys))
-
-    def keys(self) -> Iterator[BlockKey]:
-        return self._table.keys()
 
     def get_into(
         self, keys: Sequence[BlockKey], outs: Sequence[Array], tenant: str = ""

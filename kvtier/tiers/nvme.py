@@ -33,7 +33,7 @@ import logging
 import mmap
 import queue
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -46,7 +46,7 @@ from kvtier.config import check_keys, parse_size
 from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey, key_hex
 from kvtier.layout import KVLayout
-from kvtier.tiers.base import Array, Tier, TierUsage
+from kvtier.tiers.base import Array
 from kvtier.tiers.nvme_device import Device, ODirectMode
 from kvtier.tiers.nvme_index import (
     DirIndex,
@@ -54,7 +54,7 @@ from kvtier.tiers.nvme_index import (
     SlotIO,
     slot_bytes_for,
 )
-from kvtier.tiers.slots import SlotTable
+from kvtier.tiers.slots import SlotTable, SlotTier
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class _Job(NamedTuple):
     dev: Device
 
 
-class NVMeTier(Tier):
+class NVMeTier(SlotTier):
     """Blocks in preallocated slot files over ``paths`` (one directory per device)."""
 
     name = "nvme"
@@ -177,10 +177,6 @@ class NVMeTier(Tier):
 
     # -- queries -----------------------------------------------------------------------------
     @property
-    def capacity_blocks(self) -> int:
-        return self._table.capacity
-
-    @property
     def healthy(self) -> bool:
         return not any(d.failed for d in self._devs)
 
@@ -188,15 +184,6 @@ class NVMeTier(Tier):
     def o_direct(self) -> bool:
         """True if every healthy directory uses O_DIRECT."""
         return all(d.direct for d in self._devs if not d.failed)
-
-    def usage(self) -> TierUsage:
-        return TierUsage(len(self._table), self._table.capacity, self.block_bytes)
-
-    def contains_prefix(self, keys: Sequence[BlockKey], tenant: str = "") -> int:
-        return self._table.prefix_len(list(keys))
-
-    def keys(self) -> Iterator[BlockKey]:
-        return self._table.keys()
 
     # -- data --------------------------------------------------------------------------------
     def put(

@@ -12,9 +12,10 @@ All operations are O(1) under one short lock; no bytes are moved here.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from kvtier.keys import BlockKey
+from kvtier.tiers.base import Tier, TierUsage
 
 
 class SlotTable:
@@ -123,3 +124,23 @@ class SlotTable:
                 del self._slots[k]
             self._free = [s for s in self._free if not lost(s)]
             return len(gone)
+
+
+class SlotTier(Tier):
+    """Base of tiers whose blocks live in fixed slots tracked by a ``SlotTable`` (``_table``,
+    set by the subclass): the queries every such tier answers the same way."""
+
+    _table: SlotTable
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self._table.capacity
+
+    def usage(self) -> TierUsage:
+        return TierUsage(len(self._table), self._table.capacity, self.block_bytes)
+
+    def contains_prefix(self, keys: Sequence[BlockKey], tenant: str = "") -> int:
+        return self._table.prefix_len(list(keys))
+
+    def keys(self) -> Iterator[BlockKey]:
+        return self._table.keys()
