@@ -9,13 +9,11 @@ alone (demotion, write-through, prefetch, promotion). Blocks being written are n
 
 Hierarchy rules:
 
-- Tiers are ordered fastest first. *Local* tiers (not ``shared``) form the demotion chain: a
-  block evicted from local tier i moves to the next local tier unless a lower copy exists; it
-  falls off the end of the chain.
-- *Shared* tiers (Redis/Valkey, Mooncake, S3) are written through asynchronously after a store
-  and asked ``contains_prefix`` for blocks this process does not know (another node's work).
-- A hit below the first tier is promoted into the first tier (inclusive: the lower copy stays).
-- Persistent tiers are enumerated at open (warm restart).
+- Tiers are ordered fastest first. *Local* tiers form the demotion chain (a victim moves down
+  unless a lower copy exists); *shared* tiers are written through asynchronously and asked
+  ``contains_prefix`` for blocks this process does not know (another node's work).
+- A hit below the first tier is promoted into it (inclusive); persistent tiers are enumerated
+  at open (warm restart) and receive volatile blocks at ``close()``.
 
 Integrity: tiers verify header and checksum on every read; a block that fails is a miss, dropped
 and counted in ``stats()["store"]["invalid_blocks"]``. Nothing wrong is ever returned.
@@ -152,6 +150,11 @@ class TieredStore:
         bt = self.layout.block_tokens
         return [arr[:, :, i * bt : (i + 1) * bt] for i in range(first, first + n_blocks)]
 
+    def _held(self, key: BlockKey) -> bool:
+        """True if some tier holds ``key`` or is writing it (under the lock)."""
+        e = self._index.entries.get(key)
+        return e is not None and bool(e.tiers | e.pending)
+
     def _poll(self) -> None:
         done = self._engine.poll()
         if done:
@@ -251,7 +254,7 @@ class TieredStore:
         views = self._views(arr, n_blocks)
         self._poll()
         with self._lock:
-            new = [i for i, k in enumerate(keys) if k not in self._index.entries]
+            new = [i for i, k in enumerate(keys) if not self._held(k)]
             self._decider.counters.skipped_blocks += n_blocks - len(new)
         # a store larger than the first tier goes in slices: earlier slices get demoted
         step = self.tiers[0].capacity_blocks or len(new) or 1
@@ -274,9 +277,9 @@ class TieredStore:
             fit = self._room_in_first(len(keys))
             if fit < len(keys):
                 self._decider.counters.dropped_for_room += len(keys) - fit
-            items = [
-                (k, v) for k, v in zip(keys[:fit], views[:fit], strict=True) if k not in idx.entries
-            ]  # another thread may have stored it meanwhile
+            items = [  # another thread may have stored some meanwhile
+                (k, v) for k, v in zip(keys[:fit], views[:fit], strict=True) if not self._held(k)
+            ]
             new_keys = [k for k, _ in items]
             for k in new_keys:
                 idx.begin_write(k, 0)
@@ -300,7 +303,7 @@ class TieredStore:
                 [k for k, g in zip(new_keys, ok, strict=True) if g], owner
             )
         self._submit("write-through", through)
-        return written if fit == len(keys) else min(written, fit)
+        return written
 
     # -- load ------------------------------------------------------------------------------
     def load(self, tokens: Any, out: Any, tenant: str | None = None) -> int:
