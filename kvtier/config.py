@@ -157,6 +157,17 @@ class StoreConfig:
         )
 
     @staticmethod
+    def load(
+        config: StoreConfig | Mapping[str, Any] | str | Path, env: Mapping[str, str] | None = None
+    ) -> StoreConfig:
+        """A validated config from a ``StoreConfig``, a dict or a TOML file path."""
+        if isinstance(config, StoreConfig):
+            return config
+        if isinstance(config, str | Path):
+            return StoreConfig.from_file(config, env)
+        return StoreConfig.from_dict(config, env)
+
+    @staticmethod
     def from_file(path: str | Path, env: Mapping[str, str] | None = None) -> StoreConfig:
         try:
             raw = tomllib.loads(Path(path).read_text())

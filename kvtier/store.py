@@ -99,18 +99,11 @@ class TieredStore:
         env: Mapping[str, str] | None = None,
     ) -> TieredStore:
         """Build a store and its tiers from a ``StoreConfig``, a config dict or a TOML path."""
-        from kvtier.tiers.registry import make_tier
+        from kvtier.tiers.registry import make_tiers
 
-        if isinstance(config, str | Path):
-            cfg = StoreConfig.from_file(config, env)
-        elif isinstance(config, StoreConfig):
-            cfg = config
-        else:
-            cfg = StoreConfig.from_dict(config, env)
-        tiers: list[Tier] = []
+        cfg = StoreConfig.load(config, env)
+        tiers = make_tiers(cfg.layout, cfg.tiers)
         try:
-            for spec in cfg.tiers:
-                tiers.append(make_tier(cfg.layout, spec))
             return cls(
                 cfg.layout,
                 tiers,

@@ -9,7 +9,7 @@ saying what to change.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvtier.errors import ConfigError
@@ -46,3 +46,16 @@ def make_tier(layout: KVLayout, spec: Mapping[str, Any]) -> Tier:
     rest = {k: v for k, v in spec.items() if k != "kind"}
     tier: Tier = cls.from_config(layout, rest)
     return tier
+
+
+def make_tiers(layout: KVLayout, specs: Sequence[Mapping[str, Any]]) -> list[Tier]:
+    """Build every tier of a config, in order; on a failure, close those already built."""
+    tiers: list[Tier] = []
+    try:
+        for spec in specs:
+            tiers.append(make_tier(layout, spec))
+    except BaseException:
+        for t in tiers:
+            t.close()
+        raise
+    return tiers
