@@ -17,7 +17,13 @@ from kvtier.layout import KVLayout
 
 Array = np.ndarray[Any, np.dtype[Any]]
 
-_TORCH_INT_VIEW = {"float32": "int32", "float16": "int16", "bfloat16": "int16", "float8": "uint8"}
+_TORCH_INT_VIEW = {
+    "float32": "int32",
+    "float16": "int16",
+    "bfloat16": "int16",
+    "float8_e4m3fn": "uint8",
+    "float8_e5m2": "uint8",
+}
 
 
 def _from_torch(t: Any, layout: KVLayout, what: str) -> Array:
@@ -29,10 +35,7 @@ def _from_torch(t: Any, layout: KVLayout, what: str) -> Array:
             "(the engine integrations do this with pinned buffers)"
         )
     name = str(t.dtype).removeprefix("torch.")
-    want = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}.get(name)
-    if name.startswith("float8"):
-        want = "float8"
-    if want != layout.dtype:
+    if name != layout.dtype:  # exact: the two fp8 variants are different bit layouts
         raise LayoutError(f"{what} has dtype {t.dtype}, the store's layout is {layout.dtype}")
     ints = t.detach().view(getattr(torch, _TORCH_INT_VIEW[layout.dtype]))
     arr: Array = ints.numpy()
@@ -49,7 +52,7 @@ def host_array(kv: Any, layout: KVLayout, what: str, writable: bool = False) -> 
         raise LayoutError(f"{what} must be a numpy array or torch tensor, got {type(kv).__name__}")
     want = layout.storage_dtype
     if arr.dtype != want:
-        int_carrier = layout.dtype in ("bfloat16", "float8") and arr.dtype.kind in "iu"
+        int_carrier = want.kind == "u" and arr.dtype.kind in "iu"  # bf16 / fp8 carriers
         if not (int_carrier and arr.dtype.itemsize == want.itemsize):
             raise LayoutError(
                 f"{what} has dtype {arr.dtype}; layout {layout.dtype} is carried as {want}"

@@ -33,7 +33,8 @@ _DTYPES: dict[str, tuple[int, str]] = {
     "float32": (4, "float32"),
     "float16": (2, "float16"),
     "bfloat16": (2, "uint16"),
-    "float8": (1, "uint8"),
+    "float8_e4m3fn": (1, "uint8"),
+    "float8_e5m2": (1, "uint8"),
 }
 _DTYPE_ALIASES = {
     "fp32": "float32",
@@ -45,11 +46,17 @@ _DTYPE_ALIASES = {
     "f16": "float16",
     "bf16": "bfloat16",
     "bfloat16": "bfloat16",
-    "fp8": "float8",
-    "float8": "float8",
-    "float8_e4m3fn": "float8",
-    "float8_e5m2": "float8",
-    "f8": "float8",
+    # fp8 without a variant means e4m3 (the usual KV-cache format); the two variants are
+    # different bit layouts, so they are different dtypes (and different key namespaces).
+    "fp8": "float8_e4m3fn",
+    "float8": "float8_e4m3fn",
+    "f8": "float8_e4m3fn",
+    "float8_e4m3fn": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "e4m3": "float8_e4m3fn",
+    "float8_e5m2": "float8_e5m2",
+    "fp8_e5m2": "float8_e5m2",
+    "e5m2": "float8_e5m2",
 }
 DEFAULT_BLOCK_TOKENS = 256
 
@@ -61,7 +68,8 @@ def canonical_dtype(name: str) -> str:
         return _DTYPE_ALIASES[key]
     except KeyError:
         raise ConfigError(
-            f"unknown dtype {name!r}: use one of fp32/float32, fp16/float16, bf16/bfloat16, fp8"
+            f"unknown dtype {name!r}: use one of fp32/float32, fp16/float16, bf16/bfloat16, "
+            "fp8 (= float8_e4m3fn), float8_e5m2"
         ) from None
 
 

@@ -90,7 +90,7 @@ def test_layout_validation() -> None:
         canonical_dtype("int4")
     with pytest.raises(ConfigError, match="known"):
         preset("no-such-model")
-    assert canonical_dtype("BF16") == "bfloat16" and canonical_dtype("fp8") == "float8"
+    assert canonical_dtype("BF16") == "bfloat16" and canonical_dtype("fp8") == "float8_e4m3fn"
 
 
 def test_parse_size() -> None:
@@ -130,3 +130,19 @@ def test_plan_uses_the_kv_formula_not_parameter_count() -> None:
     p16 = make_plan(llama, context_tokens=1, tp=16)
     assert p16.kv_bytes_per_token == 2 * llama.bytes_per_token
     assert p16.kv_bytes_per_token_per_gpu == llama.bytes_per_token // 8
+
+
+def test_fp8_variants_are_different_formats() -> None:
+    torch = pytest.importorskip("torch")
+    from kvtier.kvarray import host_array
+
+    e4m3 = KVLayout(2, 2, 4, "fp8", block_tokens=4)
+    e5m2 = KVLayout(2, 2, 4, "float8_e5m2", block_tokens=4)
+    assert e4m3.fingerprint != e5m2.fingerprint
+    assert block_keys(Namespace("t", "m", e4m3), range(4)) != block_keys(
+        Namespace("t", "m", e5m2), range(4)
+    )
+    kv = torch.zeros(e4m3.kv_shape(4), dtype=torch.float8_e5m2)
+    with pytest.raises(LayoutError, match="float8_e5m2"):
+        host_array(kv, e4m3, "kv")
+    assert host_array(kv, e5m2, "kv").dtype == np.uint8
