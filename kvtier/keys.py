@@ -105,7 +105,10 @@ class TokenIds:
     missing block does not pay for converting (or even reading) the rest of a long prompt.
 
     Accepts what ``as_tokens`` accepts. Type and shape errors raise ``TokenError`` at once;
-    value errors (negative, >= 2**32) when the chunk holding them is first keyed.
+    value errors (negative, >= 2**32, nested, non-integer) when the chunk holding them is first
+    keyed. A Python ``bool`` is rejected as the first element; later in a list it is taken as the
+    integer it is (Python's ``bool`` is an ``int``), since checking every element's type would
+    cost more than the hashing.
     """
 
     __slots__ = ("_n", "_src")
@@ -143,7 +146,12 @@ class TokenIds:
                 return array.array("I", part).tobytes()
             except (OverflowError, TypeError):
                 pass
-        arr = part if isinstance(part, np.ndarray) else np.asarray(part)
+        try:
+            arr = part if isinstance(part, np.ndarray) else np.asarray(part)
+        except (TypeError, ValueError) as exc:
+            raise TokenError(
+                f"tokens must be a flat sequence of integers near {start}: {exc}"
+            ) from None
         if arr.size == 0:
             return b""
         if arr.ndim != 1:

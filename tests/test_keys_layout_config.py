@@ -54,7 +54,16 @@ def test_namespaces_separate_tenants_models_layouts_and_secrets() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [[1.0, 2.0], [True, False], [[1, 2]], [-1, 3, 4, 5], [2**32, 1, 2, 3], np.array([0.5]), "abcd"],
+    [
+        [1.0, 2.0],
+        [True, False],
+        [[1, 2]],
+        [-1, 3, 4, 5],
+        [2**32, 1, 2, 3],
+        [1, [2, 3], 4, 5],
+        np.array([0.5]),
+        "abcd",
+    ],
 )
 def test_bad_tokens_raise(bad: object) -> None:
     with pytest.raises(TokenError):
