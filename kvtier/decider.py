@@ -61,6 +61,8 @@ class Decider:
         self.index = BlockIndex(policy, [0 if t.shared else t.capacity_blocks for t in tiers])
         self.counters = Counters()
         self._tenants: dict[str, Counters] = {}
+        #: victims per tier whose move out is planned but not yet applied (room on its way)
+        self.evicting = [0] * len(tiers)
 
     def tenant_counters(self, tenant: str) -> Counters:
         c = self._tenants.get(tenant)
@@ -77,7 +79,7 @@ class Decider:
         for c in done:
             moves: list[Move] = c.job.context
             for mv in moves:
-                ok = mv.ok if c.error is None and mv.ok else [False] * len(mv.keys)
+                ok = mv.ok if len(mv.ok) == len(mv.keys) else [False] * len(mv.keys)
                 if mv.dst is not None:
                     idx.end_write(mv.keys, mv.dst, ok)
                     n_ok = sum(ok)
@@ -89,6 +91,7 @@ class Decider:
                     else:
                         self.counters.promotions += n_ok
                 if mv.delete_src:
+                    self.evicting[mv.src] -= len(mv.keys)
                     for k in mv.keys:
                         idx.drop(k, mv.src)
                 idx.unpin(mv.keys)
@@ -101,16 +104,16 @@ class Decider:
         """Plan what happens to ``victims`` leaving ``tier`` (under the lock), deepest first."""
         idx = self.index
         self.counters.evictions += len(victims)
+        self.evicting[tier] += len(victims)
         lower = self.next_local(tier)
         below = ~((2 << tier) - 1)  # bits of every tier after this one
         move_keys = [k for k in victims if lower is not None and not idx.entries[k].tiers & below]
         drop_keys = [k for k in victims if k not in set(move_keys)]
         if move_keys and lower is not None:
-            room = idx.plan_room(lower, len(move_keys))
-            if room is None:  # lower tier pinned solid: the victims fall off
-                drop_keys += move_keys
-                move_keys = []
-            elif room:
+            fit, room = idx.plan_room_up_to(lower, len(move_keys))
+            drop_keys += move_keys[fit:]  # what the lower tier cannot take falls off
+            move_keys = move_keys[:fit]
+            if room:
                 self.plan_eviction(lower, room, moves)
         if move_keys and lower is not None:
             for k in move_keys:
@@ -177,10 +180,9 @@ class Decider:
         """Moves that bring ``reads`` up into the first tier, evictions first (under lock)."""
         idx = self.index
         moves: list[Move] = []
-        victims = idx.plan_room(0, len(reads))
-        if victims is None:  # only what fits without evicting pinned blocks
-            reads = reads[: max(0, idx.free(0))]
-        elif victims:
+        fit, victims = idx.plan_room_up_to(0, len(reads))
+        reads = reads[:fit]
+        if victims:
             self.plan_eviction(0, victims, moves)
         by_src: dict[int, list[BlockKey]] = {}
         for r in reads:
@@ -206,9 +208,9 @@ class Decider:
                 by_src.setdefault(src, []).append(key)
         moves: list[Move] = []
         for src, keys in by_src.items():
-            keys = keys[-max(0, self.tiers[target].capacity_blocks) :]
-            room = idx.plan_room(target, len(keys))
-            if room is None:
+            fit, room = idx.plan_room_up_to(target, len(keys))
+            keys = keys[len(keys) - fit :]  # the most recently stored
+            if not keys:
                 continue
             if room:
                 self.plan_eviction(target, room, moves)

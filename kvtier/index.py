@@ -154,6 +154,22 @@ class BlockIndex:
 
         return policy.evict(need, evictable)
 
+    def plan_room_up_to(self, tier: int, n: int) -> tuple[int, list[BlockKey]]:
+        """Like ``plan_room``, but when pinned or in-flight blocks leave too little to evict,
+        plan for as many blocks as can be made to fit: returns (how many fit, victims)."""
+        victims = self.plan_room(tier, n)
+        if victims is not None:
+            return n, victims
+        bit = 1 << tier
+        evictable = sum(
+            1 for e in self.entries.values() if e.tiers & bit and not e.pins and not e.pending
+        )
+        k = max(0, min(n, self.free(tier) + evictable))
+        victims = self.plan_room(tier, k)
+        if victims is None:  # the policy disagrees with the count: only what is free now
+            return max(0, min(n, self.free(tier))), []
+        return k, victims
+
     def _forget_if_empty(self, key: BlockKey, e: Entry) -> None:
         if not e.tiers and not e.pending and e.pins <= 0:
             self.entries.pop(key, None)

@@ -11,6 +11,7 @@ a few blocks at a time so a batch-capable tier still gets batches.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from kvtier.keys import BlockKey
 from kvtier.tiers.base import Array, Tier
 
 BATCH = 4
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -74,29 +76,38 @@ def run_moves(tiers: Sequence[Tier], moves: Sequence[Move], staging: StagingPool
     """Execute ``moves`` in order, filling each ``Move.ok`` (one outcome per key).
 
     A key counts as moved only if it was read verified from ``src`` and stored in ``dst``.
-    Source copies are deleted afterwards when ``delete_src`` (whether or not the copy worked:
-    the decider needed the room). Never raises for a missing or corrupt block.
+    Source copies are deleted afterwards when ``delete_src``, whether or not the copy worked
+    (the decider needed the room) and even if a tier raised. Never raises: a tier that raises
+    (a bug or an unexpected fault) fails the blocks of that batch, logged, and the job goes on,
+    so the decider's view and the tiers' contents stay in step.
     """
     for mv in moves:
-        src = tiers[mv.src]
-        if mv.dst is None:
-            _delete(src, mv.keys, mv.tenants)
-            mv.ok = [True] * len(mv.keys)
-            continue
-        dst = tiers[mv.dst]
-        ok = [False] * len(mv.keys)
-        for start in range(0, len(mv.keys), BATCH):
-            keys = mv.keys[start : start + BATCH]
-            bufs = staging.take(len(keys))
-            try:
-                for tenant, idx in _groups(mv.tenants[start : start + BATCH]).items():
-                    got = src.get_into([keys[i] for i in idx], [bufs[i] for i in idx], tenant)
-                    good = [i for i, g in zip(idx, got, strict=True) if g]
-                    stored = dst.put([keys[i] for i in good], [bufs[i] for i in good], tenant)
-                    for i, s in zip(good, stored, strict=True):
-                        ok[start + i] = s
-            finally:
-                staging.give(bufs)
-        mv.ok = ok
-        if mv.delete_src:
-            _delete(src, mv.keys, mv.tenants)
+        mv.ok = [False] * len(mv.keys)
+        try:
+            if mv.dst is not None:
+                _copy(tiers[mv.src], tiers[mv.dst], mv, staging)
+            else:
+                mv.ok = [True] * len(mv.keys)
+        finally:
+            if mv.delete_src:
+                try:
+                    _delete(tiers[mv.src], mv.keys, mv.tenants)
+                except Exception:
+                    log.exception("deleting moved blocks from %s failed", tiers[mv.src].name)
+
+
+def _copy(src: Tier, dst: Tier, mv: Move, staging: StagingPool) -> None:
+    for start in range(0, len(mv.keys), BATCH):
+        keys = mv.keys[start : start + BATCH]
+        bufs = staging.take(len(keys))
+        try:
+            for tenant, idx in _groups(mv.tenants[start : start + BATCH]).items():
+                got = src.get_into([keys[i] for i in idx], [bufs[i] for i in idx], tenant)
+                good = [i for i, g in zip(idx, got, strict=True) if g]
+                stored = dst.put([keys[i] for i in good], [bufs[i] for i in good], tenant)
+                for i, ok in zip(good, stored, strict=True):
+                    mv.ok[start + i] = ok
+        except Exception:
+            log.exception("moving blocks %s -> %s failed", src.name, dst.name)
+        finally:
+            staging.give(bufs)

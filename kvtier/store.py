@@ -22,6 +22,7 @@ and counted in ``stats()["store"]["invalid_blocks"]``. Nothing wrong is ever ret
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict
@@ -40,6 +41,8 @@ from kvtier.moves import Move, StagingPool, run_moves
 from kvtier.policy import DEFAULT_POLICY
 from kvtier.tiers.base import Array, Tier
 from kvtier.transfer import Job, TransferEngine
+
+log = logging.getLogger(__name__)
 
 
 class TieredStore:
@@ -161,29 +164,36 @@ class TieredStore:
             self._engine.submit(Job(kind, lambda: run_moves(tiers, moves, staging), moves))
 
     def _room_in_first(self, n: int) -> int:
-        """Make room for up to ``n`` blocks in tier 0; return how many fit now (under lock)."""
-        idx = self._index
+        """Make room for up to ``n`` blocks in tier 0; return how many fit now (under lock).
+
+        Victims already on their way out count as room coming, so a slow demotion is waited
+        for, not answered with more evictions. Pinned blocks limit how many can fit."""
+        idx, dec = self._index, self._decider
         while True:
-            if idx.free(0) >= n:
-                return n
-            victims = idx.plan_room(0, n)
-            if victims is None:
-                victims = idx.plan_room(0, n - 1) if n > 1 else None
-                if victims is None:
-                    return max(0, min(n, idx.free(0)))
-                n -= 1
             moves: list[Move] = []
-            if victims:
-                self._decider.plan_eviction(0, victims, moves)
-            # the room appears when the demotion job completes: wait for it (backpressure)
-            self._lock.release()
+            coming = dec.evicting[0]
+            if idx.free(0) + coming < n:
+                fit, victims = idx.plan_room_up_to(0, n - coming)
+                n = fit + coming
+                if victims:
+                    dec.plan_eviction(0, victims, moves)
+            if idx.free(0) >= n:
+                self._lock.release()  # drops need no wait, but must still be carried out
+                try:
+                    self._submit("demote", moves)
+                finally:
+                    self._lock.acquire()
+                return n
+            if not moves and not dec.evicting[0]:
+                return max(0, min(n, idx.free(0)))
+            self._lock.release()  # the room appears when the demotion completes (backpressure)
             try:
                 self._submit("demote", moves)
                 self._engine.wait_any(timeout=1.0)
                 done = self._engine.poll()
             finally:
                 self._lock.acquire()
-            self._decider.apply(done)
+            dec.apply(done)
 
     # -- queries ---------------------------------------------------------------------------
     def _shared_extension(self, ns: Namespace, toks: TokenIds, have: int, limit: int) -> list[Read]:
@@ -340,10 +350,21 @@ class TieredStore:
             self._index.pin([r.key for r in reads])
         reads += self._shared_extension(ns, toks, first + len(reads), limit)
         views = self._views(arr, len(reads), first)
-        ok = self._read_blocks(reads, views, ns.owner)
+        try:
+            ok = self._read_blocks(reads, views, ns.owner)
+        except Exception:  # a tier broke its contract: a miss for the engine, not a crash
+            log.exception("load: a tier raised; serving the blocks as misses")
+            ok = [False] * len(reads)
+        except BaseException:  # KeyboardInterrupt & co: release the pins, then propagate
+            with self._lock:
+                self._index.unpin([r.key for r in reads if r.pinned])
+            raise
         n = ok.index(False) if False in ok else len(ok)
         with self._lock:
             promote, retry = self._decider.finish_load(reads, ok, n, ns.tenant)
+        if n < len(reads) and not retry:  # keep the tier in step with the index's drop
+            failed = reads[n]
+            self.tiers[failed.tier].delete([failed.key], ns.owner)
         if promote:
             self._promote([reads[i] for i in promote], [views[i] for i in promote], ns.owner)
         return n, retry
@@ -396,12 +417,17 @@ class TieredStore:
         if not todo:
             return
         first = self.tiers[0]
-        ok = self._engine.run_parallel(
-            lambda part: first.put([k for k, _ in part], [v for _, v in part], owner), todo
-        )
-        with self._lock:
-            idx.end_write([k for k, _ in todo], 0, ok)
-            self._decider.counters.promotions += sum(ok)
+        ok = [False] * len(todo)
+        try:
+            ok = self._engine.run_parallel(
+                lambda part: first.put([k for k, _ in part], [v for _, v in part], owner), todo
+            )
+        except Exception:
+            log.exception("promotion into %s failed", first.name)
+        finally:
+            with self._lock:
+                idx.end_write([k for k, _ in todo], 0, ok)
+                self._decider.counters.promotions += sum(ok)
 
     def prefetch(self, tokens: Any, tenant: str | None = None) -> int:
         """Start bringing the cached prefix of ``tokens`` up into the first tier; return how

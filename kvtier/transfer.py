@@ -21,7 +21,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -68,7 +68,8 @@ class TransferEngine:
     def run_parallel(self, fn: Callable[[Sequence[T]], list[R]], items: Sequence[T]) -> list[R]:
         """``fn`` over ``items`` split into contiguous chunks, one per worker plus the caller.
 
-        Results are concatenated in order. An exception in any chunk is re-raised here.
+        Results are concatenated in order. An exception in any chunk is re-raised here, after
+        every chunk has finished.
         """
         n = len(items)
         if n == 0:
@@ -80,8 +81,10 @@ class TransferEngine:
         futures: list[Future[list[R]]] = [
             self._pool.submit(fn, items[bounds[i] : bounds[i + 1]]) for i in range(1, parts)
         ]
-        first = fn(items[bounds[0] : bounds[1]])
-        out = list(first)
+        try:
+            out = list(fn(items[bounds[0] : bounds[1]]))
+        finally:  # never return (or raise) while a worker still writes the caller's buffers
+            wait(futures)
         for f in futures:
             out.extend(f.result())
         return out
