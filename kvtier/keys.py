@@ -58,7 +58,10 @@ class Namespace:
             "\x1f".join(("kvtier-ns-v1", owner, self.model_id, self.weights_version)).encode()
             + self.layout.fingerprint
         )
-        root = hashlib.blake2b(desc, digest_size=KEY_BYTES, key=self.secret[:64]).digest()
+        secret = self.secret  # BLAKE2b keys hold 64 bytes: a longer secret is hashed first
+        if len(secret) > 64:
+            secret = hashlib.blake2b(secret).digest()
+        root = hashlib.blake2b(desc, digest_size=KEY_BYTES, key=secret).digest()
         object.__setattr__(self, "root", root)
 
     @property

@@ -48,6 +48,8 @@ def test_namespaces_separate_tenants_models_layouts_and_secrets() -> None:
         block_keys(Namespace("t", "model", KVLayout(2, 2, 4, "bf16", block_tokens=4)), toks) != base
     )
     assert block_keys(ns(secret=b"s3cret"), toks) != base
+    long = b"k" * 64
+    assert block_keys(ns(secret=long + b"1"), toks) != block_keys(ns(secret=long + b"2"), toks)
     g1 = block_keys(ns("a", share_group="g"), toks)
     assert g1 == block_keys(ns("b", share_group="g"), toks)
 
