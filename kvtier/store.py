@@ -83,6 +83,7 @@ class TieredStore:
         self._decider = Decider(self.tiers, policy, layout.block_tokens)
         self._index = self._decider.index
         self._shared = self._decider.shared
+        self._local_mask = sum(1 << i for i in self._decider.local)
         self._engine = TransferEngine(workers, demote_queue)
         self._staging = StagingPool(layout.block_bytes, keep=2 * workers * 4)
         self._lock = threading.RLock()
@@ -147,9 +148,10 @@ class TieredStore:
         return [arr[:, :, i * bt : (i + 1) * bt] for i in range(first, first + n_blocks)]
 
     def _held(self, key: BlockKey) -> bool:
-        """True if some tier holds ``key`` or is writing it (under the lock)."""
+        """True if a local tier holds ``key`` or is writing it (under the lock). A copy only in
+        a shared tier does not count: the pool may evict it at any time."""
         e = self._index.entries.get(key)
-        return e is not None and bool(e.tiers | e.pending)
+        return e is not None and bool((e.tiers | e.pending) & self._local_mask)
 
     def _poll(self) -> None:
         done = self._engine.poll()
@@ -210,6 +212,7 @@ class TieredStore:
     def lookup(self, tokens: Any, tenant: str | None = None) -> int:
         """How many leading tokens are cached (a multiple of ``block_tokens``). No side effects
         on the cache (only counters)."""
+        self._check_open()
         toks = TokenIds(tokens)
         ns = self.namespace(tenant)
         limit = len(toks) // self.layout.block_tokens
@@ -227,6 +230,7 @@ class TieredStore:
 
     def locate(self, tokens: Any, tenant: str | None = None) -> list[str]:
         """Name of the fastest tier holding each leading cached block."""
+        self._check_open()
         toks = TokenIds(tokens)
         ns = self.namespace(tenant)
         limit = len(toks) // self.layout.block_tokens
@@ -432,6 +436,7 @@ class TieredStore:
     def prefetch(self, tokens: Any, tenant: str | None = None) -> int:
         """Start bringing the cached prefix of ``tokens`` up into the first tier; return how
         many tokens' blocks were scheduled. Asynchronous: ``flush()`` waits for it."""
+        self._check_open()
         toks = TokenIds(tokens)
         ns = self.namespace(tenant)
         limit = len(toks) // self.layout.block_tokens
@@ -456,6 +461,7 @@ class TieredStore:
     @contextlib.contextmanager
     def pin(self, tokens: Any, tenant: str | None = None) -> Iterator[int]:
         """Pin the cached prefix of ``tokens`` (no eviction while held); yields its length."""
+        self._check_open()
         toks = TokenIds(tokens)
         ns = self.namespace(tenant)
         with self._lock:

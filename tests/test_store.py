@@ -234,3 +234,17 @@ def test_stats_per_tier_and_tenant_and_prometheus() -> None:
         "kvtier_blocks_total", {"tier": "host", "tenant": "t1", "op": "hit"}
     )
     assert hits is not None and hits >= 2
+
+
+def test_calls_after_close_raise() -> None:
+    st = host_store()
+    st.close()
+    st.close()  # idempotent
+    for call in (
+        lambda: st.lookup([1] * 8),
+        lambda: st.prefetch([1] * 8),
+        lambda: st.locate([1] * 8),
+        lambda: st.store([1] * 4, kv_for([1] * 4)),
+    ):
+        with pytest.raises(RuntimeError, match="closed"):
+            call()
