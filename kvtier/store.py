@@ -35,6 +35,7 @@ from kvtier.decider import Decider, Read
 from kvtier.errors import ConfigError, LayoutError
 from kvtier.keys import BlockKey, Namespace, TokenIds, iter_keys
 from kvtier.kvarray import host_array
+from kvtier.layerload import LayerLoad, start_layer_load
 from kvtier.layout import KVLayout
 from kvtier.metrics import MeteredTier, enable_prometheus
 from kvtier.moves import Move, StagingPool, run_moves
@@ -432,6 +433,19 @@ class TieredStore:
             with self._lock:
                 idx.end_write([k for k, _ in todo], 0, ok)
                 self._decider.counters.promotions += sum(ok)
+
+    # -- layer-wise load (the logic lives in kvtier/layerload.py) ------------------------------
+    def load_layers(self, tokens: Any, out: Any, tenant: str | None = None) -> LayerLoad:
+        """Start loading the cached prefix of ``tokens`` into ``out`` one layer at a time.
+
+        Same arguments as ``load``. Returns a ``LayerLoad`` at once: ``wait(i)`` blocks until
+        layer ``i`` of the ``tokens`` streamed tokens is in ``out`` (UNVERIFIED bytes);
+        ``verify()`` waits for the end, checks every block's checksum, unpins and returns the
+        leading tokens verified -- the caller must call it and discard anything computed from
+        later tokens. Falls back to a whole-block ``load`` (already verified) when a block's
+        tier cannot read single layers.
+        """
+        return start_layer_load(self, tokens, out, tenant)
 
     def prefetch(self, tokens: Any, tenant: str | None = None) -> int:
         """Start bringing the cached prefix of ``tokens`` up into the first tier; return how

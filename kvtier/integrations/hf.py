@@ -31,6 +31,13 @@ outputs are merely not bit-identical (relative error ~1e-7).
 A foreign, corrupt or lost block is a miss in the store; the forward pass then recomputes from
 there, so the output is right whatever the store returns. The model's layout is checked against
 the store's at every entry (``LayoutError`` on a mismatch) before anything is loaded.
+
+``layerwise=True`` (off by default) streams the prefix layer by layer (``store.load_layers``)
+while the forward runs: layer i's attention waits for layer i's KV; every block is verified
+after the forward, and a failed one makes the forward run again from the verified prefix. On a
+2-core CPU box it measured slower than whole-block loading (the loader thread takes the cores
+the forward uses; ``kvtier bench ttft`` reports both), so it stays off unless a benchmark on the
+target machine shows a gain.
 """
 
 from __future__ import annotations
@@ -61,6 +68,10 @@ class PrefixLoad:
     n_reused: int  # tokens placed in the cache (<= n_cached, <= prompt - min_recompute)
     sources: tuple[str, ...]  # tier name of each loaded block, fastest first
     load_s: float
+    # layer-wise: the load still streaming into ``cache`` (UNVERIFIED until ``stream.verify()``)
+    # and the host buffer it fills; None for a whole-block (already verified) load
+    stream: Any = None
+    kv: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,12 +120,19 @@ def load_prefix(
     *,
     min_recompute: int = MIN_RECOMPUTE,
     tenant: str | None = None,
+    layerwise: bool = False,
 ) -> PrefixLoad:
     """Load the longest cached prefix of ``input_ids`` into a fresh cache of ``model``.
 
     Reuses at most ``len(input_ids) - min_recompute`` tokens (see the module docs). Does not run
     the model and does not modify the store's contents (the store may promote what it served).
     Raises ``LayoutError`` if the store's layout does not match the model.
+
+    ``layerwise``: return at once with a cache whose layer ``i`` waits for its KV at the model's
+    first use (``store.load_layers``), so loading overlaps the forward pass. The KV is then
+    unverified: the caller MUST call ``result.stream.verify()`` after the forward (it also
+    unpins) and redo the forward from the verified length if it is shorter than ``n_reused``
+    -- ``generate_with_cache`` does. ``stream`` is None when the store served whole blocks.
     """
     if min_recompute < 1:
         raise ConfigError(f"min_recompute must be >= 1 (the last logits), got {min_recompute}")
@@ -132,7 +150,18 @@ def load_prefix(
     sources = tuple(store.locate(tokens[:span], tenant))
     pin = hf_cache.model_device(model).type == "cuda"
     buf, view = hf_cache.host_buffer(layout, span, pin=pin)
-    got = store.load(tokens[:span], view, tenant)
+    if layerwise:
+        stream = store.load_layers(tokens[:span], view, tenant)
+        if stream.streamed:
+            n_reused = min(stream.tokens, want)
+            cache = hf_cache.streamed_cache(model, buf, n_reused, stream.wait)
+            nb = -(-n_reused // bt)
+            return PrefixLoad(
+                cache, n_cached, n_reused, sources[:nb], time.perf_counter() - t0, stream, buf
+            )
+        got = stream.verify()
+    else:
+        got = store.load(tokens[:span], view, tenant)
     n_reused = min(got, want)  # a block lost or corrupt since lookup is a miss: reuse less
     cache = hf_cache.cache_from_kv(model, buf, n_reused)
     return PrefixLoad(
@@ -167,8 +196,14 @@ def generate_with_cache(
     store_generated: StoreGenerated = "exact",
     min_recompute: int = MIN_RECOMPUTE,
     tenant: str | None = None,
+    layerwise: bool = False,
 ) -> Generation:
     """Greedy generation reusing the store's cached prefix of ``input_ids``.
+
+    ``layerwise``: load the prefix layer by layer while the forward pass runs (see
+    ``load_prefix``); the streamed KV is verified before anything is returned, and a block that
+    fails makes the forward run again from the verified prefix (a miss), so the output is the
+    same. ``load_s`` then covers only starting the load.
 
     Stores the prompt's new full blocks after the first token is produced, and the generated
     tokens' blocks at the end (``store_generated``, see the module docs). Logits and tokens are
@@ -179,9 +214,19 @@ def generate_with_cache(
     _check_new_tokens(max_new_tokens)
     t0 = time.perf_counter()
     ids, tokens = input_tensor(model, input_ids)
-    pre = load_prefix(model, store, tokens, min_recompute=min_recompute, tenant=tenant)
-    cache = pre.cache
-    out = model(ids[:, pre.n_reused :], cache=cache, use_cache=True, logits_to_keep=1)
+    pre = load_prefix(
+        model, store, tokens, min_recompute=min_recompute, tenant=tenant, layerwise=layerwise
+    )
+    cache, n_reused = pre.cache, pre.n_reused
+    try:
+        out = model(ids[:, n_reused:], cache=cache, use_cache=True, logits_to_keep=1)
+    finally:
+        verified = pre.stream.verify() if pre.stream is not None else n_reused
+    if verified < n_reused:  # streamed KV failed verification: recompute from the good prefix
+        assert pre.kv is not None
+        n_reused = verified
+        cache = hf_cache.cache_from_kv(model, pre.kv, n_reused)
+        out = model(ids[:, n_reused:], cache=cache, use_cache=True, logits_to_keep=1)
     first = out.logits[0, -1]
     _sync(first)
     ttft = time.perf_counter() - t0
@@ -193,9 +238,8 @@ def generate_with_cache(
             bt = store.layout.block_tokens
             _recompute_tail(model, cache, seq, len(tokens), bt, min_recompute)
         stored += store_cache(store, seq, cache, tenant=tenant)
-    return Generation(
-        gen, logits, ttft, pre.n_cached, pre.n_reused, pre.sources, pre.load_s, stored
-    )
+    sources = pre.sources[: -(-n_reused // store.layout.block_tokens)]
+    return Generation(gen, logits, ttft, pre.n_cached, n_reused, sources, pre.load_s, stored)
 
 
 @torch.inference_mode()

@@ -8,11 +8,14 @@ batch of one sequence, on CPU or CUDA (through pinned host buffers and non-block
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from kvtier.errors import LayoutError
 from kvtier.kvarray import Array
@@ -112,6 +115,60 @@ def cache_from_kv(model: Any, kv: torch.Tensor, n_tokens: int) -> DynamicCache:
         k = kv[i, 0, :n_tokens].to(device, non_blocking=async_copy)
         v = kv[i, 1, :n_tokens].to(device, non_blocking=async_copy)
         layer.update(k.permute(1, 0, 2).unsqueeze(0), v.permute(1, 0, 2).unsqueeze(0))
+    return cache
+
+
+class _StreamedLayer(DynamicLayer):  # type: ignore[no-untyped-call]
+    """A full-attention cache layer whose first ``n`` tokens arrive from a layer-wise load.
+
+    It reports the ``n`` tokens at once (positions and masks are computed before any layer
+    runs) and fetches them with ``fill()`` -- which blocks until the load has this layer -- at
+    its first ``update``, i.e. right before the model's attention of this layer uses the cache.
+    The resulting tensors are the ones ``cache_from_kv`` builds.
+    """
+
+    def __init__(self, fill: Callable[[], tuple[torch.Tensor, torch.Tensor]], n: int) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._fill: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = fill
+        self._n = n
+
+    def get_seq_length(self) -> int:
+        return self._n if self._fill is not None else int(super().get_seq_length())
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._fill is not None:
+            k, v = self._fill()
+            self._fill = None
+            super().update(k, v)
+        out: tuple[torch.Tensor, torch.Tensor] = super().update(
+            key_states, value_states, *args, **kwargs
+        )
+        return out
+
+
+def streamed_cache(
+    model: Any, kv: torch.Tensor, n_tokens: int, wait: Callable[[int], None]
+) -> DynamicCache:
+    """Like ``cache_from_kv``, but layer ``i`` is taken from ``kv`` only when the model first
+    uses it, after ``wait(i)`` returned (layer-wise loading: ``kv`` is still being filled)."""
+    cache = new_cache(model)
+    if n_tokens == 0:
+        return cache
+    device = model_device(model)
+    async_copy = device.type == "cuda" and kv.is_pinned()
+
+    def fill(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        wait(i)
+        k = kv[i, 0, :n_tokens].to(device, non_blocking=async_copy)
+        v = kv[i, 1, :n_tokens].to(device, non_blocking=async_copy)
+        return k.permute(1, 0, 2).unsqueeze(0), v.permute(1, 0, 2).unsqueeze(0)
+
+    for i, layer in enumerate(_layers(cache)):
+        if type(layer) is not DynamicLayer:
+            raise LayoutError(f"layer-wise loading needs full-attention layers, got {layer!r}")
+        cache.layers[i] = _StreamedLayer(partial(fill, i), n_tokens)
     return cache
 
 

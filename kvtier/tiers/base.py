@@ -72,6 +72,8 @@ class Tier(ABC):
     shared: bool = False
     #: ``get_into`` verifies a checksum (False only for in-process device memory)
     verifies_checksums: bool = True
+    #: implements ``get_layer_into`` (layer-wise streamed loads); False: whole blocks only
+    layer_reads: bool = False
 
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
@@ -109,6 +111,21 @@ class Tier(ABC):
 
         Where the result is ``False`` the buffer content is unspecified and must not be used.
         """
+
+    def get_layer_into(
+        self, keys: Sequence[BlockKey], layer: int, outs: Sequence[Array], tenant: str = ""
+    ) -> list[int | None]:
+        """Optional (``layer_reads``): fill ``outs[i]`` with layer ``layer`` of block ``keys[i]``.
+
+        Blocks are layer-major, so a layer is the contiguous payload range
+        ``[layer * n, (layer + 1) * n)`` with ``n = block_bytes // layers``; ``outs[i]`` is any
+        array of ``n`` bytes. Returns, per block, the checksum recorded at ``put`` for the
+        *whole* payload, or ``None`` on a miss. The bytes are NOT verified (a layer cannot be):
+        the caller must hash the assembled block (C order) and compare with the checksum before
+        using the result, and treat a mismatch, or a checksum that changed between layers, as a
+        miss.
+        """
+        raise NotImplementedError(f"{self.name} tier does not read single layers")
 
     @abstractmethod
     def put(

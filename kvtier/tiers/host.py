@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
 
 from kvtier import codec
 from kvtier.config import check_keys, parse_size
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, LayoutError
+from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
 from kvtier.tiers.arena import ArenaTier
 from kvtier.tiers.base import Array
@@ -56,6 +57,7 @@ class HostTier(ArenaTier):
     """A DRAM arena of ``capacity_bytes // block_bytes`` slots."""
 
     name = "host"
+    layer_reads = True
 
     def __init__(self, layout: KVLayout, capacity_bytes: int, pin_memory: PinMode = "auto") -> None:
         super().__init__(layout, capacity_bytes)
@@ -82,3 +84,26 @@ class HostTier(ArenaTier):
 
     def _read(self, slot: int, out: Array) -> bool:
         return codec.copy_out(out, self.slot_view(slot)) == int(self._checksums[slot])
+
+    def get_layer_into(
+        self, keys: Sequence[BlockKey], layer: int, outs: Sequence[Array], tenant: str = ""
+    ) -> list[int | None]:
+        """One layer's slice of each slot (unverified) and the block's recorded checksum."""
+        n = self.layout.layer_block_bytes
+        if len(outs) != len(keys) or any(o.nbytes != n for o in outs):
+            raise LayoutError(f"host: need one buffer of {n} bytes (one layer) per key")
+        if not 0 <= layer < self.layout.layers:
+            raise LayoutError(f"host: layer {layer} out of range 0..{self.layout.layers - 1}")
+        result: list[int | None] = []
+        for key, out in zip(keys, outs, strict=True):
+            slot = self._table.acquire(key)
+            if slot is None:
+                result.append(None)
+                continue
+            try:
+                src = self.slot_view(slot)[layer * n : (layer + 1) * n]
+                np.copyto(out, src.view(out.dtype).reshape(out.shape), casting="no")
+                result.append(int(self._checksums[slot]))
+            finally:
+                self._table.release(slot)
+        return result

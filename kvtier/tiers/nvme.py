@@ -43,12 +43,13 @@ import numpy as np
 
 from kvtier import codec
 from kvtier.config import check_keys, parse_size
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, LayoutError
 from kvtier.keys import BlockKey, key_hex
 from kvtier.layout import KVLayout
 from kvtier.tiers.base import Array
 from kvtier.tiers.nvme_device import Device, ODirectMode
 from kvtier.tiers.nvme_index import (
+    ALIGN,
     DirIndex,
     DirMeta,
     SlotIO,
@@ -86,6 +87,7 @@ class NVMeTier(SlotTier):
 
     name = "nvme"
     persistent = True
+    layer_reads = True
 
     def __init__(
         self,
@@ -124,6 +126,12 @@ class NVMeTier(SlotTier):
         for _ in range(nw):
             self._staging.put(_Buf(self.slot_bytes))
         self._pool = ThreadPoolExecutor(max_workers=nw, thread_name_prefix="kvtier-nvme")
+        # layer reads: the aligned range covering one layer is at most its size plus one page
+        # on each side (O_DIRECT offsets and lengths are multiples of ALIGN)
+        self._layer_staging: queue.SimpleQueue[_Buf] = queue.SimpleQueue()
+        cover = -(-layout.layer_block_bytes // ALIGN) * ALIGN + 2 * ALIGN
+        for _ in range(nw):
+            self._layer_staging.put(_Buf(min(cover, self.slot_bytes)))
         meta = DirMeta(self._fp.hex(), self.block_bytes, self.slot_bytes, 0)
         try:
             restored: dict[BlockKey, int] = {}
@@ -262,6 +270,35 @@ class NVMeTier(SlotTier):
             self.delete(bad)
         return result
 
+    def get_layer_into(
+        self, keys: Sequence[BlockKey], layer: int, outs: Sequence[Array], tenant: str = ""
+    ) -> list[int | None]:
+        """Read the aligned range covering layer ``layer`` of each slot (one pread per block,
+        O_DIRECT where the directory allows it) into ``outs``; unverified, with the block's
+        recorded checksum (``None``: absent, I/O error, or a layer-0 header that does not
+        match)."""
+        n = self.layout.layer_block_bytes
+        if len(outs) != len(keys) or any(o.nbytes != n for o in outs):
+            raise LayoutError(f"nvme: need one buffer of {n} bytes (one layer) per key")
+        if not 0 <= layer < self.layout.layers:
+            raise LayoutError(f"nvme: layer {layer} out of range 0..{self.layout.layers - 1}")
+        result: list[int | None] = [None] * len(keys)
+        pinned: list[_Job] = []
+        try:
+            for i, (key, out) in enumerate(zip(keys, outs, strict=True)):
+                slot = self._table.acquire(key)
+                if slot is not None:
+                    pinned.append(_Job(i, key, out, slot, self._dev(slot)))
+            live = {d.index for d in self._ready(pinned)}
+            jobs = [j for j in pinned if j.dev.index in live]
+            got = self._run([partial(self._read_layer, j, layer) for j in jobs])
+        finally:
+            for j in pinned:
+                self._table.release(j.slot)
+        for j, csum in zip(jobs, got, strict=True):
+            result[j.i] = csum
+        return result
+
     def delete(self, keys: Sequence[BlockKey], tenant: str = "") -> None:
         pinned: list[tuple[BlockKey, int]] = []
         nd = len(self._devs)
@@ -374,3 +411,30 @@ class NVMeTier(SlotTier):
             return codec.copy_out(job.data, buf.arr[_HB : _HB + self.block_bytes]) == expected
         finally:
             self._staging.put(buf)
+
+    def _read_layer(self, job: _Job, layer: int) -> int | None:
+        """Layer ``layer`` of one slot into ``job.data``; the recorded checksum or None."""
+        n = self.layout.layer_block_bytes
+        start = _HB + layer * n  # within the slot
+        lo = start // ALIGN * ALIGN
+        hi = -(-(start + n) // ALIGN) * ALIGN
+        buf = self._layer_staging.get()
+        try:
+            off = (job.slot // len(self._devs)) * self.slot_bytes + lo
+            try:
+                self._io.pread(job.dev.fd, buf.mv[: hi - lo], off)
+            except OSError as exc:
+                self._fail(job.dev, "read", exc)
+                return None
+            expected = int(self._checksums[job.slot])
+            if lo == 0:  # the header is in range: check it too
+                h = codec.unpack_header(buf.mv[:_HB])
+                if not codec.header_matches(h, job.key, self._fp, self.block_bytes) or (
+                    h is not None and h.checksum != expected
+                ):
+                    return None
+            src = buf.arr[start - lo : start - lo + n]
+            np.copyto(job.data, src.view(job.data.dtype).reshape(job.data.shape), casting="no")
+            return expected
+        finally:
+            self._layer_staging.put(buf)
