@@ -33,18 +33,12 @@ from kvtier.decider import Read
 from kvtier.errors import LayoutError
 from kvtier.keys import TokenIds, iter_keys
 from kvtier.kvarray import host_array
-from kvtier.tiers.base import Array, Tier
+from kvtier.tiers.base import Array
 
 if TYPE_CHECKING:
     from kvtier.store import TieredStore
 
 log = logging.getLogger(__name__)
-
-
-def _inner(tier: Tier) -> Tier:
-    """The tier under a ``MeteredTier`` wrapper (layer reads are not metered)."""
-    inner = getattr(tier, "inner", None)
-    return inner if isinstance(inner, Tier) else tier
 
 
 def _chunks(a: Array) -> Iterator[Array]:
@@ -116,7 +110,7 @@ def start_layer_load(store: TieredStore, tokens: Any, out: Any, tenant: str | No
     store._poll()
     with store._lock:
         reads = store._decider.readable_prefix(iter_keys(ns, toks), limit)
-        tiers = [_inner(store.tiers[r.tier]) for r in reads]
+        tiers = [store.tiers[r.tier] for r in reads]
         streamable = bool(reads) and not store._shared and all(t.layer_reads for t in tiers)
         if streamable:
             store._index.pin([r.key for r in reads])

@@ -79,6 +79,7 @@ class MeteredTier(Tier):
         self.persistent = inner.persistent
         self.shared = inner.shared
         self.verifies_checksums = inner.verifies_checksums
+        self.layer_reads = inner.layer_reads
         self._lock = threading.Lock()
         self._by_tenant: dict[str, OpStats] = defaultdict(OpStats)
 
@@ -115,10 +116,37 @@ class MeteredTier(Tier):
         self._record(tenant, "write", res, time.perf_counter() - t0)
         return res
 
-    def _record(self, tenant: str, op: str, res: list[bool], seconds: float) -> None:
+    def get_layer_into(
+        self, keys: Sequence[BlockKey], layer: int, outs: Sequence[Array], tenant: str = ""
+    ) -> list[int | None]:
+        t0 = time.perf_counter()
+        res = self.inner.get_layer_into(keys, layer, outs, tenant)
+        found = [c is not None for c in res]
+        # a block's hit or miss is counted once (at layer 0); bytes and time for every layer
+        self._record(
+            tenant,
+            "read",
+            found,
+            time.perf_counter() - t0,
+            per_block=self.layout.layer_block_bytes,
+            count_blocks=layer == 0,
+        )
+        return res
+
+    def _record(
+        self,
+        tenant: str,
+        op: str,
+        res: list[bool],
+        seconds: float,
+        per_block: int = 0,
+        count_blocks: bool = True,
+    ) -> None:
         ok = sum(res)
-        failed = len(res) - ok
-        nbytes = ok * self.block_bytes
+        failed = len(res) - ok if count_blocks else 0
+        nbytes = ok * (per_block or self.block_bytes)
+        if not count_blocks:
+            ok = 0
         with self._lock:
             s = self._by_tenant[tenant]
             if op == "read":

@@ -43,7 +43,10 @@ def check_same_as_load(st: TieredStore, layout: KVLayout) -> None:
 def test_host_layer_load_equals_load() -> None:
     with TieredStore(BIG, [HostTier(BIG, 8 * BIG.block_bytes)]) as st:
         st.store(TOKS, kv_for(TOKS, BIG))
+        before = st.stats()["tiers"]["host"]
         check_same_as_load(st, BIG)
+        after = st.stats()["tiers"]["host"]
+        assert after["bytes_read"] > before["bytes_read"]  # layer reads are metered too
         with st.pin(TOKS) as held:  # verify() released its pins
             assert held == 80
         assert st._index.entries[next(iter(st._index.entries))].pins == 0
