@@ -36,7 +36,7 @@ from kvtier.kvarray import host_array
 from kvtier.tiers.base import Array
 
 if TYPE_CHECKING:
-    from kvtier.store import TieredStore
+    from kvtier.readpath import ReadPath
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class LayerLoad:
         return self._verified
 
 
-def start_layer_load(store: TieredStore, tokens: Any, out: Any, tenant: str | None) -> LayerLoad:
+def start_layer_load(store: ReadPath, tokens: Any, out: Any, tenant: str | None) -> LayerLoad:
     """``TieredStore.load_layers`` (see the module docs)."""
     store._check_open()
     layout = store.layout
@@ -172,7 +172,7 @@ def start_layer_load(store: TieredStore, tokens: Any, out: Any, tenant: str | No
 
 
 def _finish_load(
-    store: TieredStore,
+    store: ReadPath,
     reads: list[Read],
     views: list[Array],
     ok: list[bool],

@@ -1,0 +1,166 @@
+"""``StoreCore``: the state every ``TieredStore`` path shares, and the small helpers they use.
+
+The tiers (each wrapped in ``MeteredTier``), the ``Decider`` (index + policies), the transfer
+engine, the staging pool, the one lock, the namespaces; plus polling completions, submitting
+moves, making room in the first tier and asking shared tiers about unknown blocks. The public
+API is split by concern: ``kvtier.readpath.ReadPath`` (load, prefetch, layer-wise load) and
+``kvtier.store.TieredStore`` (lookup, store, pin, stats, lifecycle).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from itertools import islice
+
+from kvtier.decider import Decider, Read
+from kvtier.errors import ConfigError, LayoutError
+from kvtier.keys import BlockKey, Namespace, TokenIds, iter_keys
+from kvtier.layout import KVLayout
+from kvtier.metrics import MeteredTier, enable_prometheus
+from kvtier.moves import Move, StagingPool, run_moves
+from kvtier.policy import DEFAULT_POLICY
+from kvtier.tiers.base import Array, Tier
+from kvtier.transfer import Job, TransferEngine
+
+log = logging.getLogger(__name__)
+
+
+class StoreCore:
+    """Shared state and helpers of ``TieredStore``. Not used on its own."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        tiers: Sequence[Tier],
+        *,
+        tenant: str = "default",
+        model_id: str = "",
+        weights_version: str = "",
+        policy: str = DEFAULT_POLICY,
+        workers: int = 2,
+        secret: bytes = b"",
+        share_group: str | None = None,
+        demote_queue: int = 16,
+        metrics_port: int | None = None,
+        persist_on_close: bool = True,
+    ) -> None:
+        if not tiers:
+            raise ConfigError("TieredStore needs at least one tier (e.g. a host tier)")
+        for t in tiers:
+            if t.layout != layout:
+                raise LayoutError(
+                    f"tier {t.name} was built for {t.layout}, the store uses {layout}"
+                )
+        if tiers[0].shared:
+            raise ConfigError("the first tier must be local (host or device), not a shared tier")
+        self.layout = layout
+        self.tenant = tenant
+        self._model_id = model_id
+        self._weights_version = weights_version
+        self._secret = secret
+        self._share_group = share_group
+        self.tiers = [MeteredTier(t) for t in tiers]
+        self._decider = Decider(self.tiers, policy, layout.block_tokens)
+        self._index = self._decider.index
+        self._shared = self._decider.shared
+        self._local_mask = sum(1 << i for i in self._decider.local)
+        self._engine = TransferEngine(workers, demote_queue)
+        self._staging = StagingPool(layout.block_bytes, keep=2 * workers * 4)
+        self._lock = threading.RLock()
+        self._namespaces: dict[str, Namespace] = {}
+        self._closed = False
+        self._persist_on_close = persist_on_close
+        if metrics_port is not None:
+            enable_prometheus(metrics_port)
+        for i in self._decider.local:
+            if self.tiers[i].persistent:
+                self._index.add_present(list(self.tiers[i].keys()), i)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def namespace(self, tenant: str | None = None) -> Namespace:
+        """The key namespace of ``tenant`` (the store's default tenant when None)."""
+        name = tenant or self.tenant
+        ns = self._namespaces.get(name)
+        if ns is None:
+            ns = Namespace(
+                name,
+                self._model_id,
+                self.layout,
+                self._weights_version,
+                self._share_group,
+                self._secret,
+            )
+            self._namespaces[name] = ns
+        return ns
+
+    def _views(self, arr: Array, n_blocks: int, first: int = 0) -> list[Array]:
+        bt = self.layout.block_tokens
+        return [arr[:, :, i * bt : (i + 1) * bt] for i in range(first, first + n_blocks)]
+
+    def _held(self, key: BlockKey) -> bool:
+        """True if a local tier holds ``key`` or is writing it (under the lock). A copy only in
+        a shared tier does not count: the pool may evict it at any time."""
+        e = self._index.entries.get(key)
+        return e is not None and bool((e.tiers | e.pending) & self._local_mask)
+
+    def _poll(self) -> None:
+        done = self._engine.poll()
+        if done:
+            with self._lock:
+                self._decider.apply(done)
+
+    def _submit(self, kind: str, moves: list[Move]) -> None:
+        if moves:
+            tiers = self.tiers
+            staging = self._staging
+            self._engine.submit(Job(kind, lambda: run_moves(tiers, moves, staging), moves))
+
+    def _room_in_first(self, n: int) -> int:
+        """Make room for up to ``n`` blocks in tier 0; return how many fit now (under lock).
+
+        Victims already on their way out count as room coming, so a slow demotion is waited
+        for, not answered with more evictions. Pinned blocks limit how many can fit."""
+        idx, dec = self._index, self._decider
+        while True:
+            moves: list[Move] = []
+            coming = dec.evicting[0]
+            if idx.free(0) + coming < n:
+                fit, victims = idx.plan_room_up_to(0, n - coming)
+                n = fit + coming
+                if victims:
+                    dec.plan_eviction(0, victims, moves)
+            if idx.free(0) >= n:
+                self._lock.release()  # drops need no wait, but must still be carried out
+                try:
+                    self._submit("demote", moves)
+                finally:
+                    self._lock.acquire()
+                return n
+            if not moves and not dec.evicting[0]:
+                return max(0, min(n, idx.free(0)))
+            self._lock.release()  # the room appears when the demotion completes (backpressure)
+            try:
+                self._submit("demote", moves)
+                self._engine.wait_any(timeout=1.0)
+                done = self._engine.poll()
+            finally:
+                self._lock.acquire()
+            dec.apply(done)
+
+    # -- queries ---------------------------------------------------------------------------
+    def _shared_extension(self, ns: Namespace, toks: TokenIds, have: int, limit: int) -> list[Read]:
+        """Blocks after the first ``have`` found in shared tiers (one round trip per tier)."""
+        if not self._shared or have >= limit:
+            return []
+        rest = list(islice(iter_keys(ns, toks), have, limit))
+        for i in self._shared:
+            n = self.tiers[i].contains_prefix(rest, ns.owner)
+            if n:
+                return [Read(k, i, False) for k in rest[:n]]
+        return []
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("TieredStore is closed")
