@@ -107,3 +107,9 @@ def test_model_demo_is_the_default(tmp_path: object, capsys: pytest.CaptureFixtu
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "real model" in out and "identical" in out and "DIFFERENT" not in out
+
+
+def test_bench_dispatches_to_one_target(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "sim", "--json", "--rounds", "1"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["requests"] == 3993 and 0 < d["token_hit_ratio"] < 1

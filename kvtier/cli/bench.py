@@ -1,4 +1,6 @@
-"""``kvtier bench TARGET [--json]``: run one benchmark from ``kvtier.bench.BENCHES``."""
+"""``kvtier bench TARGET [--json] [target options]``: run one benchmark from
+``kvtier.bench.BENCHES``. Only the chosen target's module is imported, so ``kvtier bench host``
+needs neither torch nor a server client."""
 
 from __future__ import annotations
 
@@ -13,16 +15,20 @@ from kvtier.bench import BENCHES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="target", required=True, metavar="TARGET")
-    for name, module in BENCHES.items():
-        p = sub.add_parser(name, help=f"benchmark the {name} path")
-        p.add_argument("--json", action="store_true", help="print one JSON object")
-        importlib.import_module(module).add_arguments(p)
+    parser.add_argument("target", choices=list(BENCHES), help="what to benchmark")
+    parser.add_argument(
+        "options", nargs=argparse.REMAINDER, help="the target's options (TARGET --help lists them)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    result = importlib.import_module(BENCHES[args.target]).run(args)
-    if args.json:
+    module = importlib.import_module(BENCHES[args.target])
+    p = argparse.ArgumentParser(prog=f"kvtier bench {args.target}", description=module.__doc__)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    module.add_arguments(p)
+    opts = p.parse_args(args.options)
+    result = module.run(opts)
+    if opts.json:
         print(json.dumps(result))
         return 0
     table = Table(title=f"kvtier bench {args.target}")
