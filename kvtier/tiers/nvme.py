@@ -244,18 +244,7 @@ class NVMeTier(SlotTier):
     ) -> list[bool]:
         self.check_buffers(outs, keys)
         result = [False] * len(keys)
-        pinned: list[_Job] = []
-        try:
-            for i, (key, out) in enumerate(zip(keys, outs, strict=True)):
-                slot = self._table.acquire(key)
-                if slot is not None:
-                    pinned.append(_Job(i, key, out, slot, self._dev(slot)))
-            live = {d.index for d in self._ready(pinned)}
-            jobs = [j for j in pinned if j.dev.index in live]
-            got = self._run([partial(self._read_one, j) for j in jobs])
-        finally:
-            for j in pinned:
-                self._table.release(j.slot)
+        jobs, got = self._read_pinned(keys, outs, self._read_one)
         bad = []
         for j, ok in zip(jobs, got, strict=True):
             result[j.i] = ok is True
@@ -270,6 +259,25 @@ class NVMeTier(SlotTier):
             self.delete(bad)
         return result
 
+    def _read_pinned(
+        self, keys: Sequence[BlockKey], outs: Sequence[Array], read: Callable[[_Job], _T]
+    ) -> tuple[list[_Job], list[_T]]:
+        """Pin the present keys' slots, run ``read`` for those on healthy directories on the
+        I/O threads, unpin; return the jobs run and their results, in order."""
+        pinned: list[_Job] = []
+        try:
+            for i, (key, out) in enumerate(zip(keys, outs, strict=True)):
+                slot = self._table.acquire(key)
+                if slot is not None:
+                    pinned.append(_Job(i, key, out, slot, self._dev(slot)))
+            live = {d.index for d in self._ready(pinned)}
+            jobs = [j for j in pinned if j.dev.index in live]
+            got = self._run([partial(read, j) for j in jobs])
+        finally:
+            for j in pinned:
+                self._table.release(j.slot)
+        return jobs, got
+
     def get_layer_into(
         self, keys: Sequence[BlockKey], layer: int, outs: Sequence[Array], tenant: str = ""
     ) -> list[int | None]:
@@ -283,18 +291,7 @@ class NVMeTier(SlotTier):
         if not 0 <= layer < self.layout.layers:
             raise LayoutError(f"nvme: layer {layer} out of range 0..{self.layout.layers - 1}")
         result: list[int | None] = [None] * len(keys)
-        pinned: list[_Job] = []
-        try:
-            for i, (key, out) in enumerate(zip(keys, outs, strict=True)):
-                slot = self._table.acquire(key)
-                if slot is not None:
-                    pinned.append(_Job(i, key, out, slot, self._dev(slot)))
-            live = {d.index for d in self._ready(pinned)}
-            jobs = [j for j in pinned if j.dev.index in live]
-            got = self._run([partial(self._read_layer, j, layer) for j in jobs])
-        finally:
-            for j in pinned:
-                self._table.release(j.slot)
+        jobs, got = self._read_pinned(keys, outs, partial(self._read_layer, layer=layer))
         for j, csum in zip(jobs, got, strict=True):
             result[j.i] = csum
         return result
