@@ -15,8 +15,9 @@ blocks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 from kvtier.keys import BlockKey
 from kvtier.policy import EvictionPolicy, make_policy
@@ -47,9 +48,9 @@ class BlockIndex:
             for c in capacities
         ]
         self.resident = [0] * len(capacities)  # complete + pending-in, per tier
-        for pol in self.policies[1:]:
+        for upper, pol in pairwise(self.policies):
             if pol is not None:
-                pol.feed_by_demotion()
+                pol.feed_by_demotion(upper)
 
     # -- queries ---------------------------------------------------------------------------
     def readable(self, key: BlockKey) -> Entry | None:
@@ -70,8 +71,15 @@ class BlockIndex:
         self.resident[tier] += 1
         return e
 
-    def end_write(self, keys: Sequence[BlockKey], tier: int, ok: Sequence[bool]) -> None:
-        """Commit (``ok``) or roll back the writes of ``keys`` into ``tier``; prefix order."""
+    def end_write(
+        self,
+        keys: Sequence[BlockKey],
+        tier: int,
+        ok: Sequence[bool],
+        reuse_class: Hashable | None = None,
+    ) -> None:
+        """Commit (``ok``) or roll back the writes of ``keys`` into ``tier``; prefix order.
+        ``reuse_class`` labels the committed keys for the tier's policy (a store's new blocks)."""
         bit = 1 << tier
         policy = self.policies[tier]
         committed = []
@@ -87,7 +95,7 @@ class BlockIndex:
                 self.resident[tier] -= 1
                 self._forget_if_empty(key, e)
         if policy is not None and committed:
-            policy.insert(committed)
+            policy.insert(committed, reuse_class)
 
     def add_present(self, keys: Sequence[BlockKey], tier: int) -> None:
         """Record blocks found already present in ``tier`` (warm restart, a shared hit)."""

@@ -26,7 +26,7 @@ store, pin, stats, lifecycle).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import asdict
 from itertools import islice
 from pathlib import Path
@@ -109,13 +109,25 @@ class TieredStore(ReadPath):
         return [self.tiers[r.tier].name for r in reads]
 
     # -- store -----------------------------------------------------------------------------
-    def store(self, tokens: Any, kv: Any, tenant: str | None = None) -> int:
+    def store(
+        self,
+        tokens: Any,
+        kv: Any,
+        tenant: str | None = None,
+        *,
+        reuse_class: Hashable | None = None,
+    ) -> int:
         """Store every full block of ``kv`` not already cached; return the tokens written.
 
         ``kv`` is ``[layers, kv_factor, n, kv_heads, head_dim]`` (numpy in the layout's storage
         dtype, or a torch tensor), ``n <= len(tokens)``; blocks cover ``tokens[:n]``. Raises
         ``TokenError``/``LayoutError`` before storing anything if the input is malformed. When
         the first tier is pinned full, the leading blocks that fit are stored.
+
+        ``reuse_class`` labels the request for learned admission (``kvtier.policy.admission``;
+        ``output_class(generated_tokens, cached_tokens > 0)`` is what kvtier's integrations
+        pass): the default policy learns how often each class's blocks come back and keeps or
+        drops new blocks accordingly. ``None``: unlabelled.
         """
         self._check_open()
         toks = TokenIds(tokens)
@@ -132,21 +144,39 @@ class TieredStore(ReadPath):
         with self._lock:
             new = [i for i, k in enumerate(keys) if not self._held(k)]
             self._decider.counters.skipped_blocks += n_blocks - len(new)
-        # a store larger than the first tier goes in slices: earlier slices get demoted
-        step = self.tiers[0].capacity_blocks or len(new) or 1
+            # the cached part is pinned while new blocks make room: no parent is evicted to
+            # make room for its own child
+            fresh = set(new)
+            held = [k for i, k in enumerate(keys) if i not in fresh]
+            self._index.pin(held)
         written = 0
-        for start in range(0, len(new), step):
-            part = new[start : start + step]
-            done = self._store_blocks([keys[i] for i in part], [views[i] for i in part], ns)
-            written += done
-            if done < len(part):
-                break
-        with self._lock:  # the whole chain, in prefix order, so parents outlive children
-            in_first = [k for k in keys if (e := self._index.entries.get(k)) and e.tiers & 1]
-            self._index.touch(in_first, 0)
+        try:
+            # a store larger than the first tier goes in slices: earlier slices get demoted
+            step = self.tiers[0].capacity_blocks or len(new) or 1
+            for start in range(0, len(new), step):
+                part = new[start : start + step]
+                done = self._store_blocks(
+                    [keys[i] for i in part], [views[i] for i in part], ns, reuse_class
+                )
+                written += done
+                if done < len(part):
+                    break
+        finally:
+            with self._lock:
+                self._index.unpin(held)
+                # an access of the cached part, after the new blocks: parents outlive their
+                # children (new blocks stay unhit: this is their admission)
+                in_first = [k for k in held if (e := self._index.entries.get(k)) and e.tiers & 1]
+                self._index.touch(in_first, 0)
         return written * self.layout.block_tokens
 
-    def _store_blocks(self, keys: list[BlockKey], views: list[Array], ns: Namespace) -> int:
+    def _store_blocks(
+        self,
+        keys: list[BlockKey],
+        views: list[Array],
+        ns: Namespace,
+        reuse_class: Hashable | None = None,
+    ) -> int:
         """Write new blocks (prefix order) into the first tier; return how many were written."""
         idx = self._index
         with self._lock:
@@ -170,7 +200,7 @@ class TieredStore(ReadPath):
                 idx.end_write(new_keys, 0, [False] * len(new_keys))
             raise
         with self._lock:
-            idx.end_write(new_keys, 0, ok)
+            idx.end_write(new_keys, 0, ok, reuse_class)
             written = sum(ok)
             tokens = written * self.layout.block_tokens
             self._decider.counters.stored_tokens += tokens

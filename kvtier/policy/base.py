@@ -32,11 +32,13 @@ class EvictionPolicy(ABC, Generic[K]):
         self.capacity = capacity
 
     @abstractmethod
-    def insert(self, keys: Sequence[K]) -> None:
+    def insert(self, keys: Sequence[K], hint: Hashable | None = None) -> None:
         """Record resident keys, given in prefix order (parent first).
 
         Keys already tracked may be included (e.g. a served request's whole chain): they count
         as an access. The simulator calls it that way; the store may pass only new keys.
+        ``hint`` is the reuse class of the request that produced the keys
+        (``kvtier.policy.admission``), or ``None``; policies may ignore it.
         """
 
     @abstractmethod
@@ -55,10 +57,11 @@ class EvictionPolicy(ABC, Generic[K]):
         nothing. Bounded work: implementations should not scan more than needed.
         """
 
-    def feed_by_demotion(self) -> None:
-        """Called once when this policy serves a tier filled by demotions from the tier above:
-        an ``insert`` there is a batch of victims, not one request's chain. Policies that read
-        meaning into the shape of an insert switch that off here."""
+    def feed_by_demotion(self, upper: EvictionPolicy[K] | None = None) -> None:
+        """Called once when this policy serves a tier filled by demotions from the tier above
+        (whose policy is ``upper``): an ``insert`` there is a batch of victims, not one
+        request's chain. Policies that read meaning into the shape of an insert switch that off
+        here; policies may share what ``upper`` learned about the keys it passes down."""
 
     @abstractmethod
     def __len__(self) -> int: ...

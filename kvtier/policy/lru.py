@@ -4,7 +4,7 @@ always at least as recent as any child touched with it and is evicted after it."
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from kvtier.policy.base import EvictionPolicy, K
 
@@ -16,7 +16,7 @@ class LRU(EvictionPolicy[K]):
         super().__init__(capacity)
         self._order: OrderedDict[K, None] = OrderedDict()
 
-    def insert(self, keys: Sequence[K]) -> None:
+    def insert(self, keys: Sequence[K], hint: Hashable | None = None) -> None:
         order = self._order
         for k in reversed(keys):
             order[k] = None

@@ -16,7 +16,7 @@ max-heap keyed by (next use, depth) makes ``evict`` O(log n) amortised.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from kvtier.policy.base import EvictionPolicy
 from kvtier.sim.trace import Trace
@@ -82,7 +82,7 @@ class Belady(EvictionPolicy[int]):
             self._heap = [e for e in heap if res.get(e[2]) == -e[0]]
             heapq.heapify(self._heap)
 
-    def insert(self, keys: Sequence[int]) -> None:
+    def insert(self, keys: Sequence[int], hint: Hashable | None = None) -> None:
         self._push(keys)
 
     def access(self, keys: Sequence[int]) -> None:

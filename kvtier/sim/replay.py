@@ -25,14 +25,16 @@ fetch-vs-recompute and TTFT without replaying again.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import numpy as np
 import numpy.typing as npt
 
 from kvtier.errors import ConfigError
 from kvtier.policy import POLICIES, EvictionPolicy, make_policy
+from kvtier.policy.admission import output_class
 from kvtier.policy.base import always
 from kvtier.policy.s3fifo import BlockS3FIFO
 from kvtier.sim.belady import Belady, FutureOracle
@@ -97,9 +99,13 @@ def replay(
     trace: Trace,
     tiers: Sequence[TierSpec],
     progress: Callable[[int], None] | None = None,
+    hints: bool = True,
 ) -> ReplayResult:
     """Replay ``trace`` through ``tiers`` (fastest first). Pure: builds fresh policies each call.
 
+    With ``hints`` the first tier's policy gets each request's reuse class, as kvtier's engine
+    integrations pass it (``kvtier.policy.admission.output_class``: the output length and whether
+    the request extended a cached prefix); without, inserts are unlabelled.
     ``progress(i)`` is called every 256 requests with the number served so far.
     """
     if not tiers:
@@ -108,8 +114,8 @@ def replay(
     n_tiers = len(specs)
     oracle = FutureOracle(trace) if any(s.policy.lower() == "belady" for s in specs) else None
     pols = [_build_policy(s, oracle) for s in specs]
-    for pol in pols[1:]:
-        pol.feed_by_demotion()  # an insert there is a batch of victims, not a request's chain
+    for upper, pol in pairwise(pols):
+        pol.feed_by_demotion(upper)  # an insert there is a batch of victims, not a request's chain
     caps = [s.capacity_blocks for s in specs]
     where: dict[int, int] = {}
     bt = trace.block_tokens
@@ -121,7 +127,13 @@ def replay(
     block_hits = 0
     refs = 0
 
-    def admit(t: int, keys: list[int], chain: Sequence[int] = (), pin: bool = False) -> None:
+    def admit(
+        t: int,
+        keys: list[int],
+        chain: Sequence[int] = (),
+        pin: bool = False,
+        hint: Hashable | None = None,
+    ) -> None:
         """Make ``keys`` resident in tier ``t``, demoting victims further down.
 
         ``chain`` (first tier only) is the served request's chain: the policy is told about the
@@ -148,7 +160,7 @@ def replay(
                 evicted[t] += len(victims)
                 victims.reverse()  # policies give leaf-first victims; tiers take prefix order
                 down = overflow + victims if overflow else victims
-            pol.insert(chain or keys)
+            pol.insert(chain or keys, hint)
             where.update(dict.fromkeys(keys, t))
             written[t] += len(keys)
         if down and t + 1 < n_tiers:
@@ -197,10 +209,11 @@ def replay(
         if run == n and n:
             hits[t_run][i] += req.input_length - bt * n  # the last block may be partial
         block_hits += run
+        hint = output_class(req.output_length, run > 0) if hints else None
         if new:
-            admit(0, new, chain, len(new) < len(chain))
+            admit(0, new, chain, len(new) < len(chain), hint)
         else:
-            pols[0].insert(chain)  # all resident: the whole chain counts as accessed
+            pols[0].insert(chain, hint)  # all resident: the whole chain counts as accessed
         if progress is not None and i & 255 == 255:
             progress(i + 1)
     if progress is not None:

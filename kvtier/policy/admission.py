@@ -1,0 +1,122 @@
+"""Learned admission: how a new block enters the cache, from how often its class came back.
+
+On prefix-reuse traces, reuse is decided per *request* more than per block: a document is either
+asked about again (all of it) or never, and a cache that could tell the two apart at insert time
+would keep the first and drop the second at once. Two things known at insert time carry the
+signal: the request itself -- its kind (document ingestion vs. chat turn), its output length,
+whether it extended a cached prefix -- and a block's place in it (a request's last block is
+often partial, so the next request's differs). Which value means what differs from one
+deployment to the next, so nothing is hard-coded: a policy labels each new key with a class
+(the caller's *hint* for the request, any hashable, plus the key's place), and this module
+learns each class's reuse rate online:
+
+* every new key carries its class while the hierarchy knows the key (resident in some tier, or
+  in the first tier's ghost list);
+* the first time such a key is used again (a hit, a ghost hit, or its return from a lower tier)
+  its class scores one reuse, and the key drops its label;
+* the verdict of a class: ``COLD`` when fewer than ``cold_below`` of its new keys came back,
+  ``HOT`` above ``hot_above``, else ``NORMAL`` -- and ``NORMAL`` until ``min_samples`` keys of
+  the class were seen. Counts halve every ``window`` new keys of a class, so verdicts follow a
+  changing workload.
+
+The policy decides what a verdict means (S3-FIFO: ``COLD`` keys are the first victims, ``HOT``
+keys skip probation). A class without signal stays ``NORMAL``, so a hint can only let the policy
+act where the workload shows a clear pattern.
+
+``output_class`` is the label kvtier's own callers use (the simulator, from a trace's
+``output_length``; the HF integration, from the tokens it generated): on the Mooncake trace a
+request whose first blocks are new and whose answer is short is a document that will be asked
+about again 89% of the time, one with a long answer 2-12% (docs/simulation.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Final, Generic
+
+from kvtier.policy.base import K
+
+COLD: Final = 0
+NORMAL: Final = 1
+HOT: Final = 2
+
+
+def output_class(output_tokens: int | None, extends_cached: bool) -> tuple[int, bool] | None:
+    """The reuse class kvtier's integrations and the simulator pass: the generated length in
+    25-token buckets (capped at 200+) and whether the request extended a cached prefix.
+    ``None`` (no label) when the output length is unknown."""
+    if output_tokens is None:
+        return None
+    return (min(max(output_tokens, 0) // 25, 8), extends_cached)
+
+
+class ReuseClasses(Generic[K]):
+    """Online per-class reuse rates (see the module docstring). Not thread-safe.
+
+    The policy keeps each new key's label itself (S3-FIFO packs it into its per-key counter, so
+    a labelled key costs no extra lookup) and calls ``new``/``reused`` with the class id. One
+    instance serves a whole hierarchy: the first tier's policy labels keys, and the labels travel
+    with the keys between tiers through ``down`` (victims on their way to the tier below) and
+    ``up`` (keys leaving a lower tier, perhaps promoted back up). Both are bounded.
+    """
+
+    #: a class needs this many new keys before its verdict leaves ``NORMAL``
+    min_samples: int = 50
+    cold_below: float = 0.1
+    hot_above: float = 0.7
+    max_classes: int = 4096
+
+    def __init__(self, window: int, handoff: int) -> None:
+        """``window``: new keys of one class after which its counts are halved; ``handoff``:
+        most labels kept in transit (``up``, ``down``) before they are dropped."""
+        self.window = max(2, window)
+        self.handoff = max(1, handoff)
+        self._ids: dict[Hashable, int] = {}
+        self._new: list[float] = [0.0]  # by class id; id 0 is "unlabelled"
+        #: first reuses by class id; policies add 1.0 per first reuse of a labelled key (or
+        #: call ``reused``) -- a plain list, as this is their hot path
+        self.reuses: list[float] = [0.0]
+        self.down: dict[K, int] = {}
+        self.up: dict[K, int] = {}
+
+    def cid(self, cls: Hashable) -> int:
+        """The small-int id (>= 1) of class ``cls``; 0 (unlabelled) once ``max_classes`` exist
+        (a caller passing per-request ids as classes gets no learning, and no memory growth)."""
+        i = self._ids.get(cls)
+        if i is None:
+            if len(self._ids) >= self.max_classes:
+                return 0
+            i = self._ids[cls] = len(self._new)
+            self._new.append(0.0)
+            self.reuses.append(0.0)
+        return i
+
+    def verdict(self, cid: int) -> int:
+        """``COLD``, ``NORMAL`` or ``HOT`` for class id ``cid`` (0, unlabelled: ``NORMAL``)."""
+        n = self._new[cid]
+        if n < self.min_samples or not cid:
+            return NORMAL
+        p = (self.reuses[cid] + 1.0) / (n + 2.0)
+        if p < self.cold_below:
+            return COLD
+        return HOT if p > self.hot_above else NORMAL
+
+    def new(self, cid: int, n: int) -> None:
+        """``n`` new keys were admitted for class ``cid`` (0, unlabelled: ignored)."""
+        if not cid:
+            return
+        count = self._new[cid] + n
+        if count >= self.window:
+            count /= 2
+            self.reuses[cid] /= 2
+        self._new[cid] = count
+
+    def reused(self, cid: int) -> None:
+        """A key labelled ``cid`` was used again (first time since its admission)."""
+        self.reuses[cid] += 1.0
+
+    def send(self, store: dict[K, int], key: K, cid: int) -> None:
+        """Put ``key``'s label in transit (``store`` is ``up`` or ``down``), bounded."""
+        if len(store) >= self.handoff:
+            store.clear()  # labels lost: those keys read as unlabelled, nothing worse
+        store[key] = cid

@@ -1,0 +1,198 @@
+"""Learned admission: per-class reuse rates, what S3-FIFO does with the verdicts, hints in the
+store and the simulator."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from kvtier.policy.admission import COLD, HOT, NORMAL, ReuseClasses, output_class
+from kvtier.policy.base import always
+from kvtier.policy.s3fifo import S3FIFO, TAIL_CLASSES
+from kvtier.sim.replay import TierSpec, replay
+from kvtier.sim.trace import Request, Trace
+from tests.helpers import SMALL, host_store, kv_for
+
+
+def test_verdicts_follow_the_reuse_rate() -> None:
+    rc: ReuseClasses[int] = ReuseClasses(window=10_000, handoff=10)
+    dead, doc, mixed = rc.cid("dead"), rc.cid("doc"), rc.cid("mixed")
+    assert rc.cid("doc") == doc and 0 not in (dead, doc, mixed)
+    for c in (dead, doc, mixed):
+        rc.new(c, 40)
+    assert rc.verdict(dead) == NORMAL  # too few samples to judge
+    for c in (dead, doc, mixed):
+        rc.new(c, 60)
+    for _ in range(90):
+        rc.reused(doc)
+    for _ in range(50):
+        rc.reused(mixed)
+    assert (rc.verdict(dead), rc.verdict(doc), rc.verdict(mixed)) == (COLD, HOT, NORMAL)
+    assert rc.verdict(0) == NORMAL  # unlabelled keys are never judged
+    rc.new(0, 1000)
+    assert rc.verdict(0) == NORMAL
+
+
+def test_counts_halve_so_verdicts_follow_a_changing_workload() -> None:
+    rc: ReuseClasses[int] = ReuseClasses(window=200, handoff=10)
+    c = rc.cid("x")
+    rc.new(c, 150)
+    assert rc.verdict(c) == COLD
+    for _ in range(10):  # the class starts being reused: 100% of what comes now
+        rc.new(c, 10)
+        for _ in range(10):
+            rc.reused(c)
+    assert rc.verdict(c) != COLD
+
+
+def test_class_count_is_bounded() -> None:
+    rc: ReuseClasses[int] = ReuseClasses(window=100, handoff=10)
+    rc.max_classes = 3
+    ids = [rc.cid(i) for i in range(5)]
+    assert ids[:3] == [1, 2, 3] and ids[3:] == [0, 0]  # beyond the cap: unlabelled
+
+
+def test_handoff_is_bounded() -> None:
+    rc: ReuseClasses[int] = ReuseClasses(window=100, handoff=4)
+    for k in range(10):
+        rc.send(rc.down, k, 1)
+    assert len(rc.down) <= 4 and rc.down[9] == 1
+
+
+def test_output_class() -> None:
+    assert output_class(None, True) is None
+    assert output_class(10, False) == (0, False)
+    assert output_class(60, True) == (2, True)
+    assert output_class(10_000, False) == (8, False)
+
+
+def _train(p: S3FIFO[int], hint: str, reused: bool, n: int, base: int) -> int:
+    """Insert ``n`` six-block requests of class ``hint`` (each one again if ``reused``), so
+    every place of the class (the last three new blocks and the body) is learned."""
+    for i in range(n):
+        chain = list(range(base + 6 * i, base + 6 * i + 6))
+        p.insert(chain, hint)
+        if reused:
+            p.insert(chain, hint)  # a hit: the class's keys come back
+    return base + 6 * n
+
+
+def test_cold_class_is_evicted_first_and_hot_class_skips_probation() -> None:
+    p: S3FIFO[int] = S3FIFO(10_000)
+    nxt = _train(p, "dead", False, 100, 0)
+    nxt = _train(p, "doc", True, 100, nxt)
+    q: S3FIFO[int] = S3FIFO(20)
+    q._classes = p._classes  # the same learned rates, a small cache
+    q._ids_by_hint = p._ids_by_hint
+    q.insert([nxt, nxt + 1, nxt + 2, nxt + 3, nxt + 4], "doc")
+    q.insert(list(range(nxt + 10, nxt + 25)), None)  # unlabelled: probation
+    q.insert([nxt + 50, nxt + 51], "dead")
+    victims = q.evict(2, always)
+    assert victims == [nxt + 51, nxt + 50]  # the cold request's keys go first, leaf first
+    assert nxt in q._main  # the hot request skipped probation
+    victims = q.evict(12, always)  # probation (15 keys) is over its share (4): it goes first
+    assert victims is not None and all(nxt + i in q for i in range(5))
+
+
+def test_labels_travel_down_a_hierarchy() -> None:
+    upper: S3FIFO[int] = S3FIFO(10_000)
+    lower: S3FIFO[int] = S3FIFO(10)
+    lower.feed_by_demotion(upper)
+    nxt = _train(upper, "dead", False, 100, 0)
+    upper.insert(list(range(nxt, nxt + 6)), None)
+    upper.insert([nxt + 10, nxt + 11], "dead")
+    victims = upper.evict(len(upper), always)
+    assert victims is not None
+    lower.insert([v for v in reversed(victims) if v >= nxt])  # demoted, prefix order
+    assert set(lower._cold) == {nxt + 10, nxt + 11}  # still cold one tier down
+    assert lower.evict(2, always) == [nxt + 11, nxt + 10]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_unpinned_fast_path_matches_with_hints(seed: int) -> None:
+    rng = random.Random(seed)
+    fast: S3FIFO[int] = S3FIFO(64)
+    slow: S3FIFO[int] = S3FIFO(64)
+    cold_seen = 0
+    for i in range(3000):
+        root = rng.randrange(40)
+        if root % 2:
+            chain, hint = [root * 100 + j for j in range(rng.randrange(1, 8))], rng.choice("ab")
+        else:  # never reused: learns to be cold
+            chain, hint = [10_000 + 10 * i + j for j in range(rng.randrange(1, 8))], "dead"
+        for p in (fast, slow):
+            p.insert(chain, hint)
+        cold_seen = max(cold_seen, len(fast._cold))
+        over = len(fast) - 64
+        if over > 0:
+            assert fast.evict(over, always) == slow.evict(over, lambda _: True)
+        assert sorted(fast._freq.items()) == sorted(slow._freq.items())
+        assert list(fast._cold) == list(slow._cold)
+    assert cold_seen, "the test should exercise cold keys"
+
+
+def test_tail_places_learn_separately() -> None:
+    """Requests whose last new block is never reused (a partial block) and whose body is."""
+    p: S3FIFO[int] = S3FIFO(100_000)
+    for r in range(100):
+        chain = [r * 10 + j for j in range(5)]
+        p.insert(chain)
+        p.insert(chain[:-1])  # the next request reuses all but the last block
+    ids = p._class_ids(None)
+    assert p._classes.verdict(ids[0]) == COLD  # last new block
+    assert p._classes.verdict(ids[TAIL_CLASSES]) == HOT  # the body
+    assert p._classes.verdict(ids[1]) == HOT
+
+
+def _doc_trace(n: int, seed: int = 0) -> Trace:
+    """Documents (short answer, asked about 3 times later) among one-shot long-answer prompts."""
+    rng = random.Random(seed)
+    reqs: list[Request] = []
+    docs: list[tuple[int, ...]] = []
+    nxt = 0
+    t = 0.0
+    for _ in range(n):
+        t += 10
+        if docs and rng.random() < 0.3:
+            d = docs[rng.randrange(len(docs))]
+            blocks = (*d[:-1], nxt)
+            nxt += 1
+            reqs.append(Request(t, 512 * len(blocks), 300, blocks))
+            continue
+        size = rng.randint(8, 16)
+        blocks = tuple(range(nxt, nxt + size))
+        nxt += size
+        if rng.random() < 0.3:
+            docs.append(blocks)
+            docs = docs[-20:]
+            reqs.append(Request(t, 512 * size, 10, blocks))
+        else:
+            reqs.append(Request(t, 512 * size, 400, blocks))
+    return Trace(tuple(reqs), 512, "docs")
+
+
+def test_hints_pay_in_the_simulator() -> None:
+    tr = _doc_trace(3000)
+    tiers = [TierSpec("hbm", 120, "s3fifo")]
+    plain = replay(tr, tiers, hints=False).token_hit_ratio
+    hinted = replay(tr, tiers, hints=True).token_hit_ratio
+    lru = replay(tr, [TierSpec("hbm", 120, "lru")]).token_hit_ratio
+    assert hinted > plain and hinted > lru
+
+
+def test_store_passes_the_reuse_class_and_new_blocks_stay_unhit() -> None:
+    with host_store(16) as st:
+        toks = list(range(12))  # 3 blocks
+        st.store(toks[:8], kv_for(toks[:8]), reuse_class="doc")
+        st.store(toks, kv_for(toks), reuse_class="doc")  # 2 cached blocks, 1 new
+        pol = st._index.policies[0]
+        assert isinstance(pol, S3FIFO)
+        ids = pol._class_ids("doc")
+        counters = list(pol._freq.values())
+        # the first store's 2 blocks were accessed once; the new one is labelled, unhit
+        assert sorted(c & 3 for c in counters) == [0, 1, 1]
+        assert ids[0] << 2 in counters
+        out = np.zeros(SMALL.kv_shape(12), SMALL.storage_dtype)
+        assert st.load(toks, out) == 12
