@@ -53,6 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacities", help="sweep: comma-separated capacities in blocks")
     p.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--hints",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="give the policy each request's reuse class (output length, extends a cached "
+        "prefix), as an engine storing at request end can; --no-hints: unlabelled (default on)",
+    )
 
 
 def _load_trace(args: argparse.Namespace) -> Any:
@@ -133,11 +140,12 @@ def run(args: argparse.Namespace) -> int:
         )
         pols = [args.policy] if args.policy else list(SIM_POLICIES)
         with _LazyProgress(len(pols) * len(caps), "sweeping") as progress:
-            rows = sweep(trace, hier, pols, caps, progress)
+            rows = sweep(trace, hier, pols, caps, progress, hints=args.hints)
         out: dict[str, Any] = {
             "trace": trace.name,
             "requests": len(trace),
             "input_tokens": trace.input_tokens,
+            "reuse_hints": args.hints,
             "sweep": rows,
         }
         if plot_dir is not None:
@@ -155,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     with _LazyProgress(len(trace), "replaying") as progress:
-        res = replay(trace, hier.specs(), progress)
+        res = replay(trace, hier.specs(), progress, hints=args.hints)
     summary = summarize(trace, hier, res)
     if plot_dir is not None:
         from kvtier.sim.cost import price

@@ -221,8 +221,8 @@ class S3FIFO(EvictionPolicy[K]):
                 return
 
     def _dropped(self, k: K, f: int) -> None:
-        """Victim ``k`` (counter ``f``) leaves; a labelled one passed down keeps its label."""
-        if f and self._passes_down:
+        """Victim ``k`` (counter ``f``, non-zero) is passed down: a labelled one keeps its label."""
+        if f > MAX_FREQ:
             self._classes.send(self._classes.down, k, f >> LABEL_SHIFT)
 
     def evict(self, n: int, evictable: Callable[[K], bool]) -> list[K] | None:
@@ -242,6 +242,7 @@ class S3FIFO(EvictionPolicy[K]):
         if evictable is always:
             return self._evict_unpinned(n)
         victims: list[K] = []
+        passes_down = self._passes_down
         # queue lengths kept in locals: this loop is the simulator's hot path
         ns, nm, ng, left = len(small) + len(cold), len(main), len(ghost), n
         skip_small = skip_main = 0
@@ -290,7 +291,8 @@ class S3FIFO(EvictionPolicy[K]):
                     small.move_to_end(v, last=False)
                 return None
             victims.append(k)
-            self._dropped(k, f)
+            if f and passes_down:
+                self._dropped(k, f)
             left -= 1
             skip_small = skip_main = 0
         return victims

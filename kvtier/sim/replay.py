@@ -74,6 +74,7 @@ class ReplayResult:
     evicted_blocks: list[int] = field(default_factory=list)  # evicted out of tier t
     block_hits: int = 0  # leading-run hit blocks, all tiers
     block_refs: int = 0  # block references in the trace
+    hints: bool = False  # the first tier's policy got each request's reuse class
 
     @property
     def token_hit_ratio(self) -> float:
@@ -179,6 +180,7 @@ def replay(
         # tokens credited to the tier holding it), and the blocks to compute or promote
         run = 0
         t_run = 0
+        low = 0  # blocks of the run found below the first tier (credited as they are read)
         new: list[int] = []
         for k in chain:
             t = get(k)
@@ -188,14 +190,17 @@ def replay(
                 new.append(k)
                 continue
             if run >= 0:
-                hits[t][i] += bt
                 run += 1
                 t_run = t
             if t:  # promote: exclusive tiers, the block moves up
+                if run >= 0:
+                    hits[t][i] += bt
+                    low += 1
                 pols[t].remove(k)
                 del where[k]
                 promoted[t] += 1
                 new.append(k)
+        hits[0][i] += bt * ((run if run >= 0 else -run - 1) - low)
         if run >= 0:
             for k in blocks[len(chain) :]:  # beyond the first tier's size: counted, not kept
                 t = get(k)
@@ -227,6 +232,7 @@ def replay(
         evicted_blocks=evicted,
         block_hits=block_hits,
         block_refs=refs,
+        hints=hints,
     )
 
 

@@ -25,6 +25,13 @@ HIT_DEFINITION = (
 )
 
 
+#: what the simulated engine tells the store about each request (``replay(hints=True)``)
+REUSE_HINTS = (
+    "output length (25-token buckets) and whether the request extended a cached prefix, "
+    "given at store time (blocks stored when the request ends)"
+)
+
+
 def summarize(trace: Trace, hier: Hierarchy, res: ReplayResult) -> dict[str, Any]:
     """All outputs of one simulation as a JSON-ready dict."""
     costs = [t.cost for t in hier.tiers]
@@ -90,6 +97,7 @@ def summarize(trace: Trace, hier: Hierarchy, res: ReplayResult) -> dict[str, Any
             "gpu_flops": gpu.flops,
             "mfu": gpu.mfu,
             "gpu_watts": gpu.watts,
+            "reuse_hints": REUSE_HINTS if res.hints else "none (unlabelled inserts)",
             "ttft": "fetch (latency + bytes/bandwidth per tier) + prefill compute, no overlap, "
             "no queueing; a tier is read only when faster than recomputing its tokens",
             "throughput": "input tokens / sum of TTFTs (one instance prefilling back to back)",

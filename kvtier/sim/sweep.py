@@ -26,6 +26,7 @@ def sweep(
     policies: Sequence[str],
     capacities: Sequence[int],
     progress: Callable[[int], None] | None = None,
+    hints: bool = True,
 ) -> list[dict[str, Any]]:
     """One single-tier replay per (policy, capacity); the tier is priced like ``hier``'s first.
 
@@ -35,7 +36,7 @@ def sweep(
     rows: list[dict[str, Any]] = []
     for pol in policies:
         for cap in capacities:
-            res = replay(trace, [TierSpec(hier.tiers[0].name, cap, pol)])
+            res = replay(trace, [TierSpec(hier.tiers[0].name, cap, pol)], hints=hints)
             t = price(res.hit_tokens, res.input_tokens, cost, hier.compute, hier.gpu)
             rows.append(
                 {
