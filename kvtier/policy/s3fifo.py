@@ -48,7 +48,7 @@ from kvtier.policy.base import EvictionPolicy, K, always
 
 MAX_FREQ = 3
 #: the last TAIL_CLASSES new keys of an insert each have a class of their own (by place)
-TAIL_CLASSES = 3
+TAIL_CLASSES = 4
 #: a key's counter is ``hits | class_id << LABEL_SHIFT``; a labelled key has no hits yet
 LABEL_SHIFT = 2
 HITS = (1 << LABEL_SHIFT) - 1
