@@ -109,8 +109,9 @@ def test_multi_turn_from_host_is_bit_identical(model: Any) -> None:
         assert_same(got1, hf.generate_reference(model, turn1, NEW))
         # the next turn: the whole conversation so far plus a new user message
         turn2 = np.concatenate([turn1, got1.tokens, prompt(30, 5)])
-        got2 = hf.generate_with_cache(model, store, turn2, NEW)
+        got2 = hf.generate_with_cache(model, store, turn2, NEW, reuse_class="chat")
         assert got2.n_reused == 80  # 5 blocks: the prompt's 4 and one holding generated tokens
+        assert "chat" in store._index.policies[0]._ids_by_hint  # type: ignore[union-attr]
         assert set(got2.sources) == {"host"}
         assert_same(got2, hf.generate_reference(model, turn2, NEW))
 

@@ -43,6 +43,7 @@ target machine shows a gain.
 from __future__ import annotations
 
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -170,10 +171,16 @@ def load_prefix(
 
 
 def store_cache(
-    store: Any, input_ids: Any, cache: DynamicCache, *, tenant: str | None = None
+    store: Any,
+    input_ids: Any,
+    cache: DynamicCache,
+    *,
+    tenant: str | None = None,
+    reuse_class: Hashable | None = None,
 ) -> int:
     """Store every full block of the tokens ``cache`` holds for ``input_ids``; return the tokens
-    written (blocks already cached are skipped by the store). Never raises on I/O problems."""
+    written (blocks already cached are skipped by the store). Never raises on I/O problems.
+    ``reuse_class`` labels the request for the store's learned admission (``TieredStore.store``)."""
     if isinstance(input_ids, torch.Tensor):
         input_ids = input_ids.detach().cpu()
     tokens = as_tokens(input_ids)
@@ -182,7 +189,8 @@ def store_cache(
     if n == 0:
         return 0
     kv = hf_cache.kv_from_cache(cache, 0, n)
-    return int(store.store(tokens[:n], hf_cache.as_numpy(kv, store.layout), tenant))
+    kv_np = hf_cache.as_numpy(kv, store.layout)
+    return int(store.store(tokens[:n], kv_np, tenant, reuse_class=reuse_class))
 
 
 @torch.inference_mode()
@@ -197,13 +205,15 @@ def generate_with_cache(
     min_recompute: int = MIN_RECOMPUTE,
     tenant: str | None = None,
     layerwise: bool = False,
+    reuse_class: Hashable | None = None,
 ) -> Generation:
     """Greedy generation reusing the store's cached prefix of ``input_ids``.
 
     ``layerwise``: load the prefix layer by layer while the forward pass runs (see
     ``load_prefix``); the streamed KV is verified before anything is returned, and a block that
     fails makes the forward run again from the verified prefix (a miss), so the output is the
-    same. ``load_s`` then covers only starting the load.
+    same. ``load_s`` then covers only starting the load. ``reuse_class`` labels both stores for
+    the store's learned admission (``TieredStore.store``).
 
     Stores the prompt's new full blocks after the first token is produced, and the generated
     tokens' blocks at the end (``store_generated``, see the module docs). Logits and tokens are
@@ -230,14 +240,14 @@ def generate_with_cache(
     first = out.logits[0, -1]
     _sync(first)
     ttft = time.perf_counter() - t0
-    stored = store_cache(store, tokens, cache, tenant=tenant)
+    stored = store_cache(store, tokens, cache, tenant=tenant, reuse_class=reuse_class)
     gen, logits = _decode(model, cache, first, max_new_tokens, eos_token_id)
     if store_generated != "none" and len(gen) > 1:
         seq = np.concatenate([tokens, np.asarray(gen[:-1], dtype=np.uint32)])
         if store_generated == "exact":
             bt = store.layout.block_tokens
             _recompute_tail(model, cache, seq, len(tokens), bt, min_recompute)
-        stored += store_cache(store, seq, cache, tenant=tenant)
+        stored += store_cache(store, seq, cache, tenant=tenant, reuse_class=reuse_class)
     sources = pre.sources[: -(-n_reused // store.layout.block_tokens)]
     return Generation(gen, logits, ttft, pre.n_cached, n_reused, sources, pre.load_s, stored)
 
