@@ -157,3 +157,14 @@ def test_fp8_variants_are_different_formats() -> None:
     with pytest.raises(LayoutError, match="float8_e5m2"):
         host_array(kv, e4m3, "kv")
     assert host_array(kv, e5m2, "kv").dtype == np.uint8
+
+
+def test_batch_checksums_match_one_by_one() -> None:
+    """``codec.checksums`` splits large batches over threads; the sums must not change."""
+    from kvtier import codec
+
+    rng = np.random.default_rng(3)
+    small = [rng.integers(0, 255, 1000, dtype=np.uint8) for _ in range(3)]
+    large = [rng.integers(0, 255, 3 << 20, dtype=np.uint8) for _ in range(7)]  # 21 MiB: threads
+    for batch in (small, large, large[:1], []):
+        assert codec.checksums(batch) == [codec.checksum(b) for b in batch]

@@ -167,22 +167,27 @@ class BlockSealer:
         return memoryview(buf)
 
     def verify_plain(
-        self, key: BlockKey, header: bytes | memoryview | Array, payload: Array
+        self,
+        key: BlockKey,
+        header: bytes | memoryview | Array,
+        payload: Array,
+        payload_checksum: int | None = None,
     ) -> bool:
         """Whether a plain block read *in place* -- its 64-byte ``header`` and its ``payload``
         already in the caller's contiguous buffer -- is block ``key``: header matches, no flags,
-        checksum of ``payload`` matches. Always ``False`` for an encrypting sealer (a plaintext
-        block is then a miss). The zero-copy read path of tiers that can split a value.
+        checksum of ``payload`` matches (``payload_checksum`` if the caller hashed it already,
+        e.g. a batch with ``codec.checksums``). Always ``False`` for an encrypting sealer (a
+        plaintext block is then a miss). The zero-copy read path of tiers that can split a value.
         """
         if self.encrypted:
             return False
         hdr = codec.unpack_header(header)
-        return (
-            codec.header_matches(hdr, key, self._fp, self.block_bytes)
-            and hdr is not None
-            and not hdr.flags
-            and codec.checksum(payload) == hdr.checksum
-        )
+        if not codec.header_matches(hdr, key, self._fp, self.block_bytes):
+            return False
+        assert hdr is not None
+        if payload_checksum is None:
+            payload_checksum = codec.checksum(payload)
+        return not hdr.flags and payload_checksum == hdr.checksum
 
     def droppable(self, value: bytes | bytearray | memoryview) -> bool:
         """May a tier delete ``value`` after ``open_into`` rejected it?
