@@ -93,7 +93,10 @@ class StagingArena:
 
     def __init__(self, slot_bytes: int, nslots: int) -> None:
         self.slot_bytes = slot_bytes
-        self.arena: Array = np.zeros(slot_bytes * nslots, dtype=np.uint8)
+        self.arena: Array = np.empty(slot_bytes * nslots, dtype=np.uint8)
+        # touch every page now: a first touch costs up to ~7 ms per 2 MiB page in a VM, and
+        # would land on whichever transfer first uses the slot
+        self.arena.fill(0)
         self.base = int(self.arena.ctypes.data)
         self._free = list(range(nslots))
         self._cond = threading.Condition()
