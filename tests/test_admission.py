@@ -196,3 +196,18 @@ def test_store_passes_the_reuse_class_and_new_blocks_stay_unhit() -> None:
         assert ids[0] << 2 in counters
         out = np.zeros(SMALL.kv_shape(12), SMALL.storage_dtype)
         assert st.load(toks, out) == 12
+
+
+@pytest.mark.parametrize("policy", ["s3fifo", "lru"])
+def test_a_store_never_evicts_its_own_cached_prefix(policy: str) -> None:
+    """Extending a cached prompt in a full cache evicts other blocks, not the prompt's own
+    prefix (which would leave the new blocks unreachable)."""
+    bt = SMALL.block_tokens
+    a = [1] * (4 * bt)
+    b = [2] * (2 * bt)
+    with host_store(4, policy=policy) as st:
+        st.store(a[: 2 * bt], kv_for(a[: 2 * bt]))
+        st.store(b, kv_for(b))  # the cache is full; a's prefix is the oldest
+        assert st.store(a, kv_for(a)) == 2 * bt
+        assert st.lookup(a) == 4 * bt
+        assert st.lookup(b) == 0
