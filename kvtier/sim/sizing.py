@@ -168,9 +168,10 @@ def sized(hier: Hierarchy, caps_bytes: tuple[int, ...]) -> Hierarchy:
     return hier.with_tiers(tiers)
 
 
-def exact_p90(trace: Trace, hier: Hierarchy) -> tuple[float, Any]:
-    """Replay ``hier`` (sizes as given) and return (TTFT p90 in s, the replay result)."""
-    res = replay(trace, hier.specs())
+def exact_p90(trace: Trace, hier: Hierarchy, hints: bool = True) -> tuple[float, Any]:
+    """Replay ``hier`` (sizes as given; ``hints`` as ``replay``) and return (TTFT p90 in s, the
+    replay result)."""
+    res = replay(trace, hier.specs(), hints=hints)
     return _p90(res.hit_tokens.astype(np.float64), res.input_tokens, hier), res
 
 
@@ -193,6 +194,7 @@ def search(
     margin: float = 0.0,
     max_replays: int = 40,
     prof: StackProfile | None = None,
+    hints: bool = True,
 ) -> SizingResult:
     """Cheapest sizes of the tiers (each <= ``max_blocks``) whose replayed p90 <= ``slo_s``."""
     prof = prof or lru_profile(trace)
@@ -224,11 +226,11 @@ def search(
             break
         replays += 1
         cb = tuple(c * bb for c in caps)
-        p90, _ = exact_p90(trace, sized(hier, cb))
+        p90, _ = exact_p90(trace, sized(hier, cb), hints)
         if p90 <= slo_s:
             return SizingResult(cb, replays, estimated, len(configs), p90)
     top = tuple(max(g) * bb for g in grids)
-    p90, _ = exact_p90(trace, sized(hier, top))
+    p90, _ = exact_p90(trace, sized(hier, top), hints)
     return SizingResult(None, replays + 1, estimated, len(configs), p90, exhausted)
 
 
@@ -249,6 +251,12 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
         "(default 0 for lru, where the estimate is exact, else 0.01)",
     )
     g.add_argument("--max-replays", type=int, default=40, help="exact replays at most")
+    g.add_argument(
+        "--hints",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse classes from the trace, as `kvtier simulate` (default on)",
+    )
 
 
 def search_space(args: argparse.Namespace, trace: Trace) -> tuple[Hierarchy, list[int], int]:
@@ -312,10 +320,12 @@ def run_trace_plan(args: argparse.Namespace) -> int:
     trace = read_trace(args.trace)
     hier, max_blocks, hbm_budget = search_space(args, trace)
     slo = float(args.slo_ttft_p90)
-    found = search(trace, hier, max_blocks, slo, args.grid_points, margin, args.max_replays)
+    found = search(
+        trace, hier, max_blocks, slo, args.grid_points, margin, args.max_replays, hints=args.hints
+    )
     caps = found.caps_bytes or tuple(0 for _ in hier.tiers)
     chosen = sized(hier, caps) if found.caps_bytes else hier
-    summary = summarize(trace, chosen, replay(trace, chosen.specs()))
+    summary = summarize(trace, chosen, replay(trace, chosen.specs(), hints=args.hints))
     feasible = found.caps_bytes is not None
     summary.update(
         {
