@@ -23,10 +23,10 @@ The policy decides what a verdict means (S3-FIFO: ``COLD`` keys are the first vi
 keys skip probation). A class without signal stays ``NORMAL``, so a hint can only let the policy
 act where the workload shows a clear pattern.
 
-``output_class`` is the label kvtier's own callers use (the simulator, from a trace's
-``output_length``; the HF integration, from the tokens it generated): on the Mooncake trace a
-request whose first blocks are new and whose answer is short is a document that will be asked
-about again 89% of the time, one with a long answer 2-12% (docs/simulation.md).
+``output_class`` is the label the simulator derives from a trace's ``output_length`` (an engine
+storing a request's blocks when it ends knows it too): on the Mooncake trace a request whose
+first blocks are new and whose answer is short is a document that will be asked about again 89%
+of the time, one with a long answer 2-12% (docs/simulation.md).
 """
 
 from __future__ import annotations

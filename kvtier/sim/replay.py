@@ -104,9 +104,10 @@ def replay(
 ) -> ReplayResult:
     """Replay ``trace`` through ``tiers`` (fastest first). Pure: builds fresh policies each call.
 
-    With ``hints`` the first tier's policy gets each request's reuse class, as kvtier's engine
-    integrations pass it (``kvtier.policy.admission.output_class``: the output length and whether
-    the request extended a cached prefix); without, inserts are unlabelled.
+    With ``hints`` the first tier's policy gets each request's reuse class, as an engine that
+    stores a request's blocks when it ends can pass it (``kvtier.policy.admission.output_class``:
+    the output length and whether the request extended a cached prefix); without, inserts are
+    unlabelled.
     ``progress(i)`` is called every 256 requests with the number served so far.
     """
     if not tiers:
