@@ -211,3 +211,16 @@ def test_a_store_never_evicts_its_own_cached_prefix(policy: str) -> None:
         assert st.store(a, kv_for(a)) == 2 * bt
         assert st.lookup(a) == 4 * bt
         assert st.lookup(b) == 0
+
+
+def test_store_labels_follow_demotions_to_the_lower_tier() -> None:
+    """In the store, a cold class learned in the first tier is cold in the tier below too."""
+    bt = SMALL.block_tokens
+    with host_store(8, lower=400) as st:
+        for i in range(120):  # one-block prompts of a class that never comes back
+            toks = [10_000 + i] * bt
+            st.store(toks, kv_for(toks), reuse_class="dead")
+        st.flush()
+        lower = st._index.policies[1]
+        assert isinstance(lower, S3FIFO) and lower._classes is st._index.policies[0]._classes
+        assert lower._cold, "demoted blocks of a cold class should be first victims below"
