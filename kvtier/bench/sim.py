@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from kvtier.policy import DEFAULT_POLICY
+from kvtier.sim.options import add_hints_argument
 
 TRACE = "/work/shared/data/traces/mooncake_synthetic.jsonl"
 
@@ -22,12 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity-blocks", type=int, default=10_000)
     p.add_argument("--policy", default=DEFAULT_POLICY)
     p.add_argument("--rounds", type=int, default=5, help="replays; rates are the best round")
-    p.add_argument(
-        "--hints",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse classes from the trace, as `kvtier simulate` (default on)",
-    )
+    add_hints_argument(p)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.policy import POLICIES
+from kvtier.sim.options import add_hints_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,13 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacities", help="sweep: comma-separated capacities in blocks")
     p.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument(
-        "--hints",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="give the policy each request's reuse class (output length, extends a cached "
-        "prefix), as an engine storing at request end can; --no-hints: unlabelled (default on)",
-    )
+    add_hints_argument(p)
 
 
 def _load_trace(args: argparse.Namespace) -> Any:

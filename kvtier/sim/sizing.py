@@ -39,6 +39,7 @@ from kvtier.plan import make_plan
 from kvtier.policy import DEFAULT_POLICY
 from kvtier.sim.cost import GPU, ComputeModel, price, tier_cost
 from kvtier.sim.hierarchy import DEFAULT_MODEL, Hierarchy, SimTier
+from kvtier.sim.options import add_hints_argument
 from kvtier.sim.replay import SIM_POLICIES, replay
 from kvtier.sim.report import render, summarize
 from kvtier.sim.trace import Trace, read_trace
@@ -251,12 +252,7 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
         "(default 0 for lru, where the estimate is exact, else 0.01)",
     )
     g.add_argument("--max-replays", type=int, default=40, help="exact replays at most")
-    g.add_argument(
-        "--hints",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse classes from the trace, as `kvtier simulate` (default on)",
-    )
+    add_hints_argument(g)
 
 
 def search_space(args: argparse.Namespace, trace: Trace) -> tuple[Hierarchy, list[int], int]:
