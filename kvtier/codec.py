@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -76,6 +77,37 @@ def header_matches(h: Header | None, key: bytes, fingerprint: bytes, payload_len
         and h.fingerprint == fingerprint
         and h.payload_len == payload_len
     )
+
+
+#: buffers made by ``framed_empty`` (by id; weak, so a freed buffer drops out)
+_FRAMES: weakref.WeakValueDictionary[int, Array] = weakref.WeakValueDictionary()
+
+
+def framed_empty(nbytes: int) -> Array:
+    """A page-touched uint8 payload of ``nbytes`` with ``HEADER_BYTES`` of room just before it.
+
+    A tier that stores header + payload contiguously (a remote value) can write the header into
+    that room and move one buffer instead of two (``header_room``). kvtier's staging buffers are
+    framed; the room belongs to whichever put or get is using the buffer, so one framed buffer
+    must not be in two transfers at once.
+    """
+    full = np.empty(HEADER_BYTES + nbytes, dtype=np.uint8)
+    full.fill(0)
+    _FRAMES[id(full)] = full
+    return full[HEADER_BYTES:]
+
+
+def header_room(a: Array) -> Array | None:
+    """The ``HEADER_BYTES`` just before ``a`` if ``a`` is (a contiguous view of) a whole
+    ``framed_empty`` payload, else ``None``."""
+    full = a
+    while isinstance(full.base, np.ndarray):
+        full = full.base
+    if _FRAMES.get(id(full)) is not full or not a.flags.c_contiguous:
+        return None
+    if a.ctypes.data - full.ctypes.data != HEADER_BYTES or a.nbytes + HEADER_BYTES != full.nbytes:
+        return None
+    return full[:HEADER_BYTES]
 
 
 def checksum(buf: bytes | memoryview | Array) -> int:

@@ -5,8 +5,9 @@ to tier ``dst`` (or just delete them from ``src`` when ``dst`` is None), optiona
 source copies afterwards (a demotion). A job runs a list of moves *in order* -- a cascade is
 planned deepest-first, so room in a lower tier exists before the tier above writes into it.
 
-Bytes pass through staging buffers from a ``StagingPool`` (preallocated, page-touched, reused),
-a few blocks at a time so a batch-capable tier still gets batches.
+Bytes pass through staging buffers from a ``StagingPool`` (preallocated, page-touched, reused,
+framed with room for a block header: ``codec.framed_empty``), a few blocks at a time so a
+batch-capable tier still gets batches.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
+from kvtier import codec
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import Array, Tier
 
@@ -47,10 +47,8 @@ class StagingPool:
     def take(self, n: int) -> list[Array]:
         with self._lock:
             got = [self._free.pop() for _ in range(min(n, len(self._free)))]
-        while len(got) < n:
-            buf = np.empty(self._block_bytes, dtype=np.uint8)
-            buf.fill(0)
-            got.append(buf)
+        while len(got) < n:  # framed: a remote tier moves header + payload as one buffer
+            got.append(codec.framed_empty(self._block_bytes))
         return got
 
     def give(self, bufs: Sequence[Array]) -> None:

@@ -168,3 +168,18 @@ def test_batch_checksums_match_one_by_one() -> None:
     large = [rng.integers(0, 255, 3 << 20, dtype=np.uint8) for _ in range(7)]  # 21 MiB: threads
     for batch in (small, large, large[:1], []):
         assert codec.checksums(batch) == [codec.checksum(b) for b in batch]
+
+
+def test_header_room_only_for_whole_framed_payloads() -> None:
+    from kvtier import codec
+
+    payload = codec.framed_empty(4096)
+    room = codec.header_room(payload)
+    assert room is not None and room.nbytes == codec.HEADER_BYTES
+    assert room.ctypes.data + codec.HEADER_BYTES == payload.ctypes.data
+    shaped = payload.view(np.uint16).reshape(2, 1024)  # a reshaped view of the whole payload
+    assert codec.header_room(shaped) is not None
+    assert codec.header_room(payload[8:]) is None  # part of it: the room is not right before
+    assert codec.header_room(payload[:-8]) is None
+    assert codec.header_room(np.zeros(4096, np.uint8)) is None  # a plain array
+    assert codec.header_room(shaped[:, ::2]) is None  # not contiguous

@@ -146,6 +146,33 @@ def test_blocks_in_a_registered_arena_roundtrip(tier: MooncakeTier) -> None:
     assert tier.get_into(keys[1:], [arena[2]]) == [True]
 
 
+def _framed_block(seed: int | None = None) -> np.ndarray:  # type: ignore[type-arg]
+    src = rand_block(seed=seed) if seed is not None else empty_block()
+    out = codec.framed_empty(src.nbytes).view(src.dtype).reshape(src.shape)
+    out[...] = src
+    return out
+
+
+def test_framed_buffers_move_as_one_value_and_interoperate(tier: MooncakeTier) -> None:
+    """A framed block (header room before it, as the store's staging buffers) is written and
+    read as one buffer; the stored value is the same as from a plain array, so either side may
+    be framed; a corrupted payload is still a miss."""
+    a, b = rand_key(), rand_key()
+    framed, plain = _framed_block(seed=5), rand_block(seed=6)
+    assert tier.put([a, b], [framed, plain]) == [True, True]
+    client = tier._ready()
+    (na,) = tier._names([a], "")
+    assert client.get(na)[codec.HEADER_BYTES :] == framed.tobytes()
+    outs = [empty_block(), _framed_block()]  # a (framed) into plain, b (plain) into framed
+    assert tier.get_into([a, b], outs) == [True, True]
+    assert outs[0].tobytes() == framed.tobytes() and outs[1].tobytes() == plain.tobytes()
+    value = bytearray(client.get(na))
+    value[-1] ^= 1  # a flipped payload bit, written back in place of the good value
+    assert client.remove(na, True) == 0 and client.put(na, bytes(value)) == 0
+    assert tier.get_into([a], [_framed_block()]) == [False]
+    assert tier.contains_prefix([a]) == 0  # dropped on read
+
+
 def test_full_pool_evicts_silently(tmp_path: Path) -> None:
     """A 16 MiB pool takes 40 x 1 MiB blocks: puts that find no room say False, evicted blocks
     are misses, and every hit is byte-identical."""

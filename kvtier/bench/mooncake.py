@@ -6,8 +6,10 @@ through the *same* ``MooncakeDistributedStore`` client (the tier's own): the tie
 as ``batch_put_from``/``batch_get_into`` of values of the same size, no framing and no
 verification. Both sides move memory registered once with the transfer engine (the raw side
 with ``register_buffer``, the tier's sources and destinations with ``MooncakeTier.register``, as
-a deployment registers its host arena). Rounds are interleaved as ``kvtier.bench.remote``
-describes; each round's objects are removed after it.
+a deployment registers its host arena). The tier's blocks are framed (``codec.framed_empty``,
+as the store's staging buffers are), so each value moves as one buffer; ``--plain`` measures
+plain arrays, whose header moves as a second buffer. Rounds are interleaved as
+``kvtier.bench.remote`` describes; each round's objects are removed after it.
 
 Without ``--master`` a ``mooncake_master`` and a ``mooncake_client`` holding the pool memory
 (``--pool-mib``) are started on 127.0.0.1 from the installed wheel and stopped by PID at the end:
@@ -28,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier import codec
 from kvtier.bench.remote import (
     Round,
     add_round_arguments,
@@ -42,6 +45,7 @@ from kvtier.bench.remote import (
 from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
+from kvtier.tiers.base import Array
 from kvtier.tiers.mooncake import MooncakeTier, package_binary
 
 MIB = 1 << 20
@@ -57,6 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--local-hostname", default="127.0.0.1", help="this node's address")
     parser.add_argument(
+        "--plain",
+        action="store_true",
+        help="the tier moves plain arrays (header in a second buffer) instead of framed "
+        "buffers with header room, as the store's staging buffers are",
+    )
+    parser.add_argument(
         "--segment-mib",
         type=int,
         default=0,
@@ -65,6 +75,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pool-mib", type=int, default=0, help="pool held by the started mooncake_client (auto)"
     )
+
+
+def _framed(a: Array) -> Array:
+    """A copy of ``a`` in a ``codec.framed_empty`` buffer (header room before it)."""
+    out = codec.framed_empty(a.nbytes).view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+def _frame_of(a: Array) -> Array:
+    """The whole buffer of a framed ``a`` (header room included), else ``a``."""
+    room = codec.header_room(a)
+    return a if room is None else np.asarray(room.base)
 
 
 @contextmanager
@@ -138,13 +161,16 @@ def _run(args: argparse.Namespace, lay: KVLayout, master: str) -> dict[str, Any]
         rng = np.random.default_rng(1)
         blocks = random_blocks(lay, n)
         outs = [np.ones(lay.block_shape, dtype=np.uint16) for _ in range(n)]
+        if not args.plain:  # framed, as the store's staging buffers: one buffer per value
+            blocks = [_framed(b) for b in blocks]
+            outs = [_framed(o) for o in outs]
         value = tier.value_bytes  # the raw side moves values of the tier's size
         raw_src = [np.frombuffer(rng.bytes(value), np.uint8).copy() for _ in range(n)]
         raw_dst = [np.ones(value, np.uint8) for _ in range(n)]
         for a in raw_src + raw_dst:  # both sides move registered memory
             client.register_buffer(a.ctypes.data, a.nbytes)
-        for b in blocks + outs:
-            tier.register(b)
+        for b in blocks + outs:  # the whole frame when framed
+            tier.register(_frame_of(b))
         src_ptrs = [a.ctypes.data for a in raw_src]
         dst_ptrs = [a.ctypes.data for a in raw_dst]
         sizes = [value] * n
@@ -181,4 +207,5 @@ def _run(args: argparse.Namespace, lay: KVLayout, master: str) -> dict[str, Any]
         "blocks": n,
         "protocol": args.protocol,
         "encrypted": bool(args.encrypt),
+        "framed": not args.plain,
     }

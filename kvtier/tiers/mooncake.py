@@ -337,10 +337,17 @@ class MooncakeTier(RemoteTier):
             for j, (i, slot) in enumerate(zip(idx, slots, strict=True)):
                 key, block = keys[i], blocks[i]
                 flat = flats[j]
-                if flat is not None:  # zero-copy: header staged, payload from the caller
-                    hdr = codec.pack_header(key, fp, n, next(sums))
-                    st.view(slot, h)[:] = np.frombuffer(hdr, np.uint8)
+                if flat is not None:  # zero-copy: the payload moves from the caller's buffer
+                    hdr = np.frombuffer(codec.pack_header(key, fp, n, next(sums)), np.uint8)
                     ptr = int(flat.ctypes.data)
+                    room = codec.header_room(flat)
+                    if room is not None:  # a framed buffer: header + payload as one buffer
+                        room[:] = hdr
+                        self._regs.for_call(client, ptr - h, h + n, registered)
+                        ptrs.append([ptr - h])
+                        sizes.append([h + n])
+                        continue
+                    st.view(slot, h)[:] = hdr  # else the header is staged: two buffers
                     self._regs.for_call(client, ptr, n, registered)
                     ptrs.append([st.ptr(slot), ptr])
                     sizes.append([h, n])
@@ -392,6 +399,7 @@ class MooncakeTier(RemoteTier):
         sizes: list[list[int]] = []
         direct: list[Array | None] = []
         registered: list[int] = []
+        headers: list[Array | None] = []  # where each direct read's header lands
         for i, slot in zip(idx, slots, strict=True):
             out = outs[i]
             flat = None
@@ -400,12 +408,21 @@ class MooncakeTier(RemoteTier):
             direct.append(flat)
             if flat is not None:
                 ptr = int(flat.ctypes.data)
+                room = codec.header_room(flat)
+                if room is not None:  # a framed buffer: one buffer, header in its room
+                    self._regs.for_call(client, ptr - h, h + n, registered)
+                    ptrs.append([ptr - h])
+                    sizes.append([h + n])
+                    headers.append(room)
+                    continue
                 self._regs.for_call(client, ptr, n, registered)
                 ptrs.append([st.ptr(slot), ptr])
                 sizes.append([h, n])
+                headers.append(st.view(slot, h))
             else:
                 ptrs.append([st.ptr(slot)])
                 sizes.append([value_bytes])
+                headers.append(None)
         names = self._names([keys[i] for i in idx], tenant)
         try:
             codes = client.batch_get_into_multi_buffers(names, ptrs, sizes)
@@ -423,9 +440,9 @@ class MooncakeTier(RemoteTier):
                 if self._foreign_size(client, names[j], code):
                     bad.append(names[j])
                 continue
-            flat = direct[j]
-            if flat is not None:
-                good = self.sealer.verify_plain(key, st.view(slot, h), flat, sums[j])
+            flat, header = direct[j], headers[j]
+            if flat is not None and header is not None:
+                good = self.sealer.verify_plain(key, header, flat, sums[j])
             else:
                 good = self.sealer.open_into(key, st.view(slot, value_bytes).data, outs[i], tenant)
             if good:
