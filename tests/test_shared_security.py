@@ -137,3 +137,28 @@ def test_quota_refusal_is_counted_logged_and_reported(
         assert quotas.used("alice") == 2 * LAYOUT.block_bytes
     finally:
         tier.close()
+
+
+def test_framed_plain_block_is_sealed_in_place() -> None:
+    """A framed block's value is its own buffer (header written into the room, no copy), and it
+    opens like a copied one."""
+    import numpy as np
+
+    from kvtier import codec
+    from kvtier.keys import BlockKey
+    from kvtier.tiers.secure import BlockSealer
+    from tests.helpers import SMALL
+
+    sealer = BlockSealer(SMALL, b"")
+    key = BlockKey(bytes(range(32)))
+    block = codec.framed_empty(SMALL.block_bytes)
+    block[:] = np.arange(block.size, dtype=np.uint8)
+    value = sealer.seal(key, block, "t")
+    assert value is not None and len(value) == sealer.value_bytes
+    room = codec.header_room(block)
+    assert room is not None
+    assert np.frombuffer(value, np.uint8).ctypes.data == room.ctypes.data  # no copy
+    copied = sealer.seal(key, block.copy(), "t")  # a plain array: a copied value
+    assert copied is not None and bytes(copied) == bytes(value)
+    out = np.zeros(SMALL.block_bytes, np.uint8)
+    assert sealer.open_into(key, value, out, "t") and out.tobytes() == block.tobytes()

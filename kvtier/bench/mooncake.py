@@ -30,7 +30,6 @@ from typing import Any
 
 import numpy as np
 
-from kvtier import codec
 from kvtier.bench.remote import (
     Round,
     add_round_arguments,
@@ -40,12 +39,13 @@ from kvtier.bench.remote import (
     interleaved,
     random_blocks,
     same_bytes,
+    tier_buffers,
     wait_port,
+    whole_buffer,
 )
 from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
-from kvtier.tiers.base import Array
 from kvtier.tiers.mooncake import MooncakeTier, package_binary
 
 MIB = 1 << 20
@@ -61,12 +61,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--local-hostname", default="127.0.0.1", help="this node's address")
     parser.add_argument(
-        "--plain",
-        action="store_true",
-        help="the tier moves plain arrays (header in a second buffer) instead of framed "
-        "buffers with header room, as the store's staging buffers are",
-    )
-    parser.add_argument(
         "--segment-mib",
         type=int,
         default=0,
@@ -75,19 +69,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pool-mib", type=int, default=0, help="pool held by the started mooncake_client (auto)"
     )
-
-
-def _framed(a: Array) -> Array:
-    """A copy of ``a`` in a ``codec.framed_empty`` buffer (header room before it)."""
-    out = codec.framed_empty(a.nbytes).view(a.dtype).reshape(a.shape)
-    out[...] = a
-    return out
-
-
-def _frame_of(a: Array) -> Array:
-    """The whole buffer of a framed ``a`` (header room included), else ``a``."""
-    room = codec.header_room(a)
-    return a if room is None else np.asarray(room.base)
 
 
 @contextmanager
@@ -159,18 +140,17 @@ def _run(args: argparse.Namespace, lay: KVLayout, master: str) -> dict[str, Any]
         if client is None:
             raise ConfigError(f"cannot reach mooncake_master at {master}")
         rng = np.random.default_rng(1)
-        blocks = random_blocks(lay, n)
-        outs = [np.ones(lay.block_shape, dtype=np.uint16) for _ in range(n)]
-        if not args.plain:  # framed, as the store's staging buffers: one buffer per value
-            blocks = [_framed(b) for b in blocks]
-            outs = [_framed(o) for o in outs]
+        blocks = tier_buffers(random_blocks(lay, n), args.plain)
+        outs = tier_buffers(
+            [np.ones(lay.block_shape, dtype=np.uint16) for _ in range(n)], args.plain
+        )
         value = tier.value_bytes  # the raw side moves values of the tier's size
         raw_src = [np.frombuffer(rng.bytes(value), np.uint8).copy() for _ in range(n)]
         raw_dst = [np.ones(value, np.uint8) for _ in range(n)]
         for a in raw_src + raw_dst:  # both sides move registered memory
             client.register_buffer(a.ctypes.data, a.nbytes)
         for b in blocks + outs:  # the whole frame when framed
-            tier.register(_frame_of(b))
+            tier.register(whole_buffer(b))
         src_ptrs = [a.ctypes.data for a in raw_src]
         dst_ptrs = [a.ctypes.data for a in raw_dst]
         sizes = [value] * n

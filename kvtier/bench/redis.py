@@ -32,6 +32,7 @@ from kvtier.bench.remote import (
     interleaved,
     random_blocks,
     same_bytes,
+    tier_buffers,
     wait_port,
 )
 from kvtier.errors import ConfigError
@@ -83,8 +84,8 @@ def _run(
     tier = RedisTier(lay, opts, prefix=prefix, sealer=sealer, batch_bytes=1 << 40)
     raw = redis.Redis.from_url(url) if not cluster else opts.connect()
     n = args.blocks
-    blocks = random_blocks(lay, n)
-    outs = [np.empty(lay.block_shape, dtype=np.uint16) for _ in range(n)]
+    blocks = tier_buffers(random_blocks(lay, n), args.plain)
+    outs = tier_buffers([np.empty(lay.block_shape, dtype=np.uint16) for _ in range(n)], args.plain)
     raw_values = [bytes(sealer.value_bytes) for _ in range(n)]
 
     def batch(names: list[str], op: str, *values: list[bytes]) -> bool:
@@ -115,4 +116,10 @@ def _run(
     finally:
         tier.close()
         raw.close()
-    return {**out, "block_bytes": lay.block_bytes, "blocks": n, "encrypted": bool(args.encrypt)}
+    return {
+        **out,
+        "block_bytes": lay.block_bytes,
+        "blocks": n,
+        "encrypted": bool(args.encrypt),
+        "framed": not args.plain,
+    }

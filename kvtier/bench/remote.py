@@ -9,8 +9,9 @@ Reported: the best round of each step (``*_gbps``), the ratio of the bests (``st
 back to back, so it resists drift best). A step that reports failure aborts the benchmark: a
 throughput number for work that was not done would be a lie.
 
-Also here: the block layout every server bench uses and a free-port / wait-for-port pair for
-the benches that start their own server.
+The tier side moves framed buffers (header room before each payload) as the store's staging
+buffers are; ``--plain`` gives it plain arrays instead. Also here: the block layout every server
+bench uses and a free-port / wait-for-port pair for the benches that start their own server.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier import codec
 from kvtier.errors import ConfigError
 from kvtier.layout import KVLayout
 from kvtier.tiers.base import Array
@@ -41,6 +43,12 @@ def add_round_arguments(parser: argparse.ArgumentParser, blocks: int, rounds: in
     parser.add_argument("--blocks", type=int, default=blocks, help=f"blocks per round ({blocks})")
     parser.add_argument("--rounds", type=int, default=rounds, help=f"interleaved rounds ({rounds})")
     parser.add_argument("--encrypt", action="store_true", help="AES-GCM seal the tier's blocks")
+    parser.add_argument(
+        "--plain",
+        action="store_true",
+        help="the tier gets plain arrays instead of framed buffers (header room before the "
+        "payload, as the store's staging buffers are)",
+    )
 
 
 def bench_sealer(layout: KVLayout, encrypt: bool) -> BlockSealer:
@@ -59,6 +67,25 @@ def random_blocks(layout: KVLayout, n: int, seed: int = 0) -> list[Array]:
     """``n`` blocks of random 16-bit words (incompressible, all distinct)."""
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 2**16, size=layout.block_shape, dtype=np.uint16) for _ in range(n)]
+
+
+def tier_buffers(blocks: Sequence[Array], plain: bool) -> list[Array]:
+    """The tier side's blocks: framed copies (``codec.framed_empty``, what the store's moves
+    hand a tier), or ``blocks`` themselves with ``plain``."""
+    if plain:
+        return list(blocks)
+    out = []
+    for b in blocks:
+        f = codec.framed_empty(b.nbytes).view(b.dtype).reshape(b.shape)
+        f[...] = b
+        out.append(f)
+    return out
+
+
+def whole_buffer(a: Array) -> Array:
+    """The buffer to register for ``a``: its whole frame when framed, else ``a``."""
+    room = codec.header_room(a)
+    return a if room is None else np.asarray(room.base)
 
 
 def same_bytes(outs: Sequence[Array], blocks: Sequence[Array]) -> bool:

@@ -32,6 +32,7 @@ from kvtier.bench.remote import (
     interleaved,
     random_blocks,
     same_bytes,
+    tier_buffers,
     wait_port,
 )
 from kvtier.keys import BlockKey
@@ -78,8 +79,8 @@ def _run(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
     raw = opts.connect()
     pool = ThreadPoolExecutor(args.workers)
     n = args.blocks
-    blocks = random_blocks(lay, n)
-    outs = [np.empty(lay.block_shape, dtype=np.uint16) for _ in range(n)]
+    blocks = tier_buffers(random_blocks(lay, n), args.plain)
+    outs = tier_buffers([np.empty(lay.block_shape, dtype=np.uint16) for _ in range(n)], args.plain)
     raw_value = bytes(sealer.value_bytes)
 
     def raw_put_one(name: str) -> bool:
@@ -122,4 +123,5 @@ def _run(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
         "blocks": n,
         "workers": args.workers,
         "encrypted": bool(args.encrypt),
+        "framed": not args.plain,
     }

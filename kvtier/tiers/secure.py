@@ -141,12 +141,21 @@ class BlockSealer:
     def seal(self, key: BlockKey, block: Array, tenant: str) -> memoryview | None:
         """One value holding ``block`` (any shape/strides, ``block_bytes`` bytes) for ``key``.
 
+        A framed plain block (``codec.framed_empty``) gets its header written into its room and
+        is returned as is, without a copy: the value is valid while the caller's buffer is.
+
         ``None`` when encryption is configured but this tenant has no key (logged; the tier
         reports the put as ``False``).
         """
         n = self.block_bytes
         h = codec.HEADER_BYTES
         if not self.encrypted:
+            flat = block.reshape(-1).view(np.uint8) if block.flags.c_contiguous else None
+            room = codec.header_room(flat) if flat is not None else None
+            if flat is not None and room is not None:  # framed: header into its room, no copy
+                csum = codec.checksum(flat)
+                room[:] = np.frombuffer(codec.pack_header(key, self._fp, n, csum), np.uint8)
+                return np.asarray(room.base).data
             buf = bytearray(h + n)
             csum = codec.copy_in(np.frombuffer(buf, np.uint8, n, h), block)
             buf[:h] = codec.pack_header(key, self._fp, n, csum)
