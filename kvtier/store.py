@@ -235,19 +235,26 @@ class TieredStore(ReadPath):
         self._poll()
 
     def stats(self) -> dict[str, Any]:
-        """Counters of the store, per tenant and per tier (see ``MeteredTier.snapshot``)."""
+        """Counters of the store, per tenant and per tier (see ``MeteredTier.snapshot``), and
+        what each tier's eviction policy has learned (``EvictionPolicy.describe``)."""
         self._poll()
         with self._lock:
             store = asdict(self._decider.counters)
             tenants = {t: asdict(c) for t, c in self._decider.tenants().items()}
             store["indexed_blocks"] = len(self._index.entries)
             store["pending_jobs"] = self._engine.pending
+            policies = {
+                t.name: pol.describe()
+                for t, pol in zip(self.tiers, self._index.policies, strict=True)
+                if pol is not None
+            }
         looked = store["hit_tokens"] + store["miss_tokens"]
         store["token_hit_ratio"] = store["hit_tokens"] / looked if looked else 0.0
         return {
             "store": store,
             "tenants": tenants,
             "tiers": {t.name: t.snapshot() for t in self.tiers},
+            "policies": policies,
         }
 
     # -- lifecycle -------------------------------------------------------------------------

@@ -224,3 +224,18 @@ def test_store_labels_follow_demotions_to_the_lower_tier() -> None:
         lower = st._index.policies[1]
         assert isinstance(lower, S3FIFO) and lower._classes is st._index.policies[0]._classes
         assert lower._cold, "demoted blocks of a cold class should be first victims below"
+
+
+def test_stats_show_what_the_policy_learned() -> None:
+    bt = SMALL.block_tokens
+    with host_store(8, lower=64) as st:
+        for i in range(80):
+            toks = [20_000 + i] * bt
+            st.store(toks, kv_for(toks), reuse_class="dead")
+        st.flush()
+        pols = st.stats()["policies"]
+        first, lower = pols["host"], pols["host2"]
+        assert first["small"] + first["cold"] + first["main"] <= 8
+        top = first["classes"][0]
+        assert top["class"] == "('dead', 0)" and top["verdict"] == "cold" and top["new"] >= 50
+        assert "classes" not in lower  # the lower tier shares the first tier's classes

@@ -32,13 +32,14 @@ of the time, one with a long answer 2-12% (docs/simulation.md).
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Final, Generic
+from typing import Any, Final, Generic
 
 from kvtier.policy.base import K
 
 COLD: Final = 0
 NORMAL: Final = 1
 HOT: Final = 2
+VERDICTS = ("cold", "normal", "hot")
 
 
 def output_class(output_tokens: int | None, extends_cached: bool) -> tuple[int, bool] | None:
@@ -114,6 +115,21 @@ class ReuseClasses(Generic[K]):
     def reused(self, cid: int) -> None:
         """A key labelled ``cid`` was used again (first time since its admission)."""
         self.reuses[cid] += 1.0
+
+    def summary(self, limit: int = 16) -> list[dict[str, Any]]:
+        """The ``limit`` classes with the most new keys: class, counts, reuse rate, verdict."""
+        names = {i: c for c, i in self._ids.items()}
+        order = sorted(names, key=lambda i: -self._new[i])[:limit]
+        return [
+            {
+                "class": repr(names[i]),
+                "new": round(self._new[i], 1),
+                "reused": round(self.reuses[i], 1),
+                "reuse_rate": round(self.reuses[i] / self._new[i], 3) if self._new[i] else 0.0,
+                "verdict": VERDICTS[self.verdict(i)],
+            }
+            for i in order
+        ]
 
     def send(self, store: dict[K, int], key: K, cid: int) -> None:
         """Put ``key``'s label in transit (``store`` is ``up`` or ``down``), bounded."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Sequence
-from typing import ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 
@@ -62,6 +62,10 @@ class EvictionPolicy(ABC, Generic[K]):
         (whose policy is ``upper``): an ``insert`` there is a batch of victims, not one
         request's chain. Policies that read meaning into the shape of an insert switch that off
         here; policies may share what ``upper`` learned about the keys it passes down."""
+
+    def describe(self) -> dict[str, Any]:
+        """What the policy has learned, for ``TieredStore.stats()`` (empty by default)."""
+        return {}
 
     @abstractmethod
     def __len__(self) -> int: ...

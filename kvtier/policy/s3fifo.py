@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from kvtier.policy.admission import COLD, HOT, ReuseClasses
 from kvtier.policy.base import EvictionPolicy, K, always
@@ -340,6 +340,18 @@ class S3FIFO(EvictionPolicy[K]):
                 self._dropped(k, f)
             n -= 1
         return victims
+
+    def describe(self) -> dict[str, Any]:
+        """Queue sizes, and (first tier) the learned request classes, most frequent first."""
+        out: dict[str, Any] = {
+            "small": len(self._small),
+            "cold": len(self._cold),
+            "main": len(self._main),
+            "ghost": len(self._ghost),
+        }
+        if not self._demoted and self.learned:
+            out["classes"] = self._classes.summary()
+        return out
 
     def __len__(self) -> int:
         return len(self._freq)
