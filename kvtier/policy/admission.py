@@ -43,9 +43,9 @@ VERDICTS = ("cold", "normal", "hot")
 
 
 def output_class(output_tokens: int | None, extends_cached: bool) -> tuple[int, bool] | None:
-    """The reuse class kvtier's integrations and the simulator pass: the generated length in
-    25-token buckets (capped at 200+) and whether the request extended a cached prefix.
-    ``None`` (no label) when the output length is unknown."""
+    """The reuse class the simulator passes (an engine storing a request's blocks when it ends
+    can pass it too): the generated length in 25-token buckets (capped at 200+) and whether the
+    request extended a cached prefix. ``None`` (no label) when the output length is unknown."""
     if output_tokens is None:
         return None
     return (min(max(output_tokens, 0) // 25, 8), extends_cached)
