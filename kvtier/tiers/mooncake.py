@@ -323,7 +323,6 @@ class MooncakeTier(RemoteTier):
     ) -> list[bool]:
         client = self._ready()
         st = self._staging
-        h = codec.HEADER_BYTES
         fp = self.layout.fingerprint
         n = self.block_bytes
         ptrs: list[list[int]] = []
@@ -338,19 +337,8 @@ class MooncakeTier(RemoteTier):
                 key, block = keys[i], blocks[i]
                 flat = flats[j]
                 if flat is not None:  # zero-copy: the payload moves from the caller's buffer
-                    hdr = np.frombuffer(codec.pack_header(key, fp, n, next(sums)), np.uint8)
-                    ptr = int(flat.ctypes.data)
-                    room = codec.header_room(flat)
-                    if room is not None:  # a framed buffer: header + payload as one buffer
-                        room[:] = hdr
-                        self._regs.for_call(client, ptr - h, h + n, registered)
-                        ptrs.append([ptr - h])
-                        sizes.append([h + n])
-                        continue
-                    st.view(slot, h)[:] = hdr  # else the header is staged: two buffers
-                    self._regs.for_call(client, ptr, n, registered)
-                    ptrs.append([st.ptr(slot), ptr])
-                    sizes.append([h, n])
+                    header = self._in_place(client, flat, slot, ptrs, sizes, registered)
+                    header[:] = np.frombuffer(codec.pack_header(key, fp, n, next(sums)), np.uint8)
                     continue
                 value = self.sealer.seal(key, block, tenant)
                 if value is None:
@@ -375,6 +363,32 @@ class MooncakeTier(RemoteTier):
             ok[j] = c == 0
         return ok
 
+    def _in_place(
+        self,
+        client: Any,
+        flat: Array,
+        slot: int,
+        ptrs: list[list[int]],
+        sizes: list[list[int]],
+        registered: list[int],
+    ) -> Array:
+        """Lay out one value whose payload is the caller's contiguous ``flat``: append its
+        buffers to ``ptrs``/``sizes`` and return where its header goes. A framed buffer
+        (``codec.header_room``) is one buffer, header in its room; otherwise the header is in
+        staging slot ``slot`` and the value is two buffers."""
+        h, n = codec.HEADER_BYTES, self.block_bytes
+        ptr = int(flat.ctypes.data)
+        room = codec.header_room(flat)
+        if room is not None:
+            self._regs.for_call(client, ptr - h, h + n, registered)
+            ptrs.append([ptr - h])
+            sizes.append([h + n])
+            return room
+        self._regs.for_call(client, ptr, n, registered)
+        ptrs.append([self._staging.ptr(slot), ptr])
+        sizes.append([h, n])
+        return self._staging.view(slot, h)
+
     def get_into(
         self, keys: Sequence[BlockKey], outs: Sequence[Array], tenant: str = ""
     ) -> list[bool]:
@@ -392,8 +406,6 @@ class MooncakeTier(RemoteTier):
     ) -> list[bool]:
         client = self._ready()
         st = self._staging
-        h = codec.HEADER_BYTES
-        n = self.block_bytes
         value_bytes = self.value_bytes
         ptrs: list[list[int]] = []
         sizes: list[list[int]] = []
@@ -407,18 +419,7 @@ class MooncakeTier(RemoteTier):
                 flat = flat_bytes(out)
             direct.append(flat)
             if flat is not None:
-                ptr = int(flat.ctypes.data)
-                room = codec.header_room(flat)
-                if room is not None:  # a framed buffer: one buffer, header in its room
-                    self._regs.for_call(client, ptr - h, h + n, registered)
-                    ptrs.append([ptr - h])
-                    sizes.append([h + n])
-                    headers.append(room)
-                    continue
-                self._regs.for_call(client, ptr, n, registered)
-                ptrs.append([st.ptr(slot), ptr])
-                sizes.append([h, n])
-                headers.append(st.view(slot, h))
+                headers.append(self._in_place(client, flat, slot, ptrs, sizes, registered))
             else:
                 ptrs.append([st.ptr(slot)])
                 sizes.append([value_bytes])
