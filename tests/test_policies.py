@@ -128,7 +128,8 @@ def test_policy_matches_a_set_model(name: str, ops: list[tuple[str, list[int]]])
                 for v in victims:
                     model.pop(v)  # type: ignore[call-overload]
         assert len(p) == len(model)
-        assert all(k in p for k in model)
+        resident = p.resident()
+        assert all((k in p) == (k in resident) == (k in model) for k in range(13))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -146,3 +147,26 @@ def test_s3fifo_unpinned_fast_path_makes_the_same_choices(seed: int) -> None:
         if over > 0:
             assert fast.evict(over, always) == slow.evict(over, lambda _: True)
         assert sorted(fast._freq.items()) == sorted(slow._freq.items())
+
+
+def test_s3fifo_ghost_remembers_the_last_capacity_of_drops() -> None:
+    """A dropped key that comes back while it is among the last ``ghost_factor x capacity``
+    drops is a ghost hit (it skips probation); one that comes back later is new. The list
+    stays bounded however many keys pass through."""
+
+    def comes_back_after(later_drops: int) -> S3FIFO[int]:
+        p: S3FIFO[int] = S3FIFO(10)
+        for k in range(later_drops + 1):  # key 0 is the first drop
+            p.insert([k])
+            p.evict(1, always)
+        p.insert([0])
+        return p
+
+    ghost_len = S3FIFO(10)._ghost_cap
+    assert 0 in comes_back_after(ghost_len - 1)._main
+    p = comes_back_after(ghost_len)
+    assert 0 in p._small and 0 not in p._main
+    for k in range(100, 100 + 20 * ghost_len):
+        p.insert([k])
+        p.evict(1, always)
+    assert len(p._ghost) <= 2 * ghost_len + 1

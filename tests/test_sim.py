@@ -118,6 +118,22 @@ def test_default_policy_not_below_lru_on_mooncake() -> None:
         assert s3 >= lru, (cap, s3, lru)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_single_tier_replay_matches_the_general_loop(seed: int) -> None:
+    """One tier takes a separate loop (residency read from the policy); a second tier of size 0
+    forces the general one, and every count must agree."""
+    trace = tree_trace(seed, n_req=150)
+    for pol in (*POLICIES, "belady", "s3fifo-block"):
+        for cap in (1, 4, 12):
+            for hints in (True, False):
+                one = replay(trace, [TierSpec("x", cap, pol)], hints=hints)
+                gen = replay(trace, [TierSpec("x", cap, pol), TierSpec("y", 0, pol)], hints=hints)
+                assert (one.hit_tokens[0] == gen.hit_tokens[0]).all(), (pol, cap)
+                assert (one.block_hits, one.block_refs) == (gen.block_hits, gen.block_refs)
+                assert one.written_blocks[0] == gen.written_blocks[0]
+                assert one.evicted_blocks[0] == gen.evicted_blocks[0]
+
+
 def test_tiers_split_the_hits_and_demote() -> None:
     trace = tree_trace(3, n_req=200)
     one = replay(trace, [TierSpec("x", 4, "lru")])
@@ -135,6 +151,7 @@ def test_tiers_split_the_hits_and_demote() -> None:
         ('{"timestamp": 0, "input_length": 600, "hash_ids": [1]}', "needs 2 blocks"),
         ('{"timestamp": 0, "input_length": -1, "hash_ids": []}', "input_length"),
         ('{"timestamp": 0, "input_length": 10, "hash_ids": ["a"]}', "hash_ids"),
+        ('{"timestamp": 0, "input_length": 600, "hash_ids": [4, 4]}', "repeats an id"),
     ],
 )
 def test_malformed_trace_line_is_named(line: str, needle: str) -> None:

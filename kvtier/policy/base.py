@@ -15,7 +15,7 @@ Keys are any hashable (32-byte ``BlockKey``s in the store, ints in the simulator
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from typing import Any, ClassVar, Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -62,6 +62,12 @@ class EvictionPolicy(ABC, Generic[K]):
         (whose policy is ``upper``): an ``insert`` there is a batch of victims, not one
         request's chain. Policies that read meaning into the shape of an insert switch that off
         here; policies may share what ``upper`` learned about the keys it passes down."""
+
+    @abstractmethod
+    def resident(self) -> Collection[object]:
+        """The resident keys, read only and live (it follows later inserts and evictions): the
+        dict or set the policy keeps them in, so hot loops (the simulator's) test membership
+        with one C-level lookup instead of a method call. Callers must not mutate it."""
 
     def describe(self) -> dict[str, Any]:
         """What the policy has learned, for ``TieredStore.stats()`` (empty by default)."""

@@ -4,7 +4,7 @@ always at least as recent as any child touched with it and is evicted after it."
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 
 from kvtier.policy.base import EvictionPolicy, K
 
@@ -45,6 +45,9 @@ class LRU(EvictionPolicy[K]):
         for k in victims:
             del self._order[k]
         return victims
+
+    def resident(self) -> Collection[object]:
+        return self._order
 
     def __len__(self) -> int:
         return len(self._order)

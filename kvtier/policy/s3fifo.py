@@ -32,6 +32,10 @@ In a hierarchy the classes are shared: ``feed_by_demotion(upper)`` makes a lower
 upper tier's, and each victim passed down carries its label, so the lower tier places it by its
 class's verdict too (an ``insert`` there is a batch of victims, not one request's chain).
 
+The ghost list is a plain dict of key -> drop number: a key is in it while fewer than its
+length of later keys were dropped, and stale entries are cleared in bulk when the dict reaches
+twice that length (an ordered dict costs 3-5x more per drop, on the simulator's hot path).
+
 ``insert`` accepts keys that are already resident (the served request's whole chain): those
 count as hits. Eviction work is bounded: each key is moved at most ``MAX_FREQ + 1`` times per
 eviction pass, and pinned (non-evictable) keys are rotated to the back at most once per victim.
@@ -40,7 +44,7 @@ eviction pass, and pinned (non-evictable) keys are rotated to the back at most o
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from typing import Any, ClassVar
 
 from kvtier.policy.admission import COLD, HOT, ReuseClasses
@@ -52,6 +56,9 @@ TAIL_CLASSES = 4
 #: a key's counter is ``hits | class_id << LABEL_SHIFT``; a labelled key has no hits yet
 LABEL_SHIFT = 2
 HITS = (1 << LABEL_SHIFT) - 1
+#: a ghost entry is ``drop number << GHOST_SHIFT | class id``
+GHOST_SHIFT = 13
+LABELS = (1 << GHOST_SHIFT) - 1
 
 
 class S3FIFO(EvictionPolicy[K]):
@@ -73,7 +80,11 @@ class S3FIFO(EvictionPolicy[K]):
         # probation's first victims (cold keys), a stack: the newest leaf leaves first
         self._cold: OrderedDict[K, None] = OrderedDict()
         self._main: OrderedDict[K, None] = OrderedDict()
-        self._ghost: OrderedDict[K, int] = OrderedDict()  # dropped keys -> class id (0: none)
+        # dropped keys -> drop number << GHOST_SHIFT | class id (0: none); a key is in the ghost
+        # list while fewer than its capacity were dropped after it (older entries are stale,
+        # cleared in bulk now and then)
+        self._ghost: dict[K, int] = {}
+        self._drops = 0
         # per resident key: hits (2 bits, at most MAX_FREQ) or, until its first reuse, the id
         # of the request class that admitted it (shifted by LABEL_SHIFT)
         self._freq: dict[K, int] = {}
@@ -102,9 +113,11 @@ class S3FIFO(EvictionPolicy[K]):
         classes = self._classes
         up = classes.up
         reuses = classes.reuses
+        admit = classes.admit
         # new keys are labelled (request class, place): the last TAIL_CLASSES new keys of the
         # chain (the tail) have a class each, the rest (the body) share one
-        cids = self._class_ids(hint)
+        cids = self._ids_by_hint.get(hint) or self._class_ids(hint)
+        fresh = max(self._drops - self._ghost_cap + 1, 1) << GHOST_SHIFT  # _ghost_floor()
         body_label = cids[TAIL_CLASSES] << LABEL_SHIFT
         body: list[K] = []  # placed after the loop, together
         add_body = body.append
@@ -122,9 +135,8 @@ class S3FIFO(EvictionPolicy[K]):
                     freq[k] = 1
                 place = tail  # the keys before a resident key are not a new tail
                 continue
-            if k in ghost:
-                c = ghost.pop(k)
-                if c:
+            if (g := ghost.pop(k, 0)) >= fresh:  # a ghost hit
+                if c := g & LABELS:
                     reuses[c] += 1.0
                 main[k] = None
                 freq[k] = 0
@@ -139,8 +151,7 @@ class S3FIFO(EvictionPolicy[K]):
             c = cids[place]
             place += 1
             freq[k] = c << LABEL_SHIFT
-            classes.new(c, 1)
-            verdict = classes.verdict(c)
+            verdict = admit(c, 1)
             if verdict == COLD:
                 front.append(k)
             elif verdict == HOT:
@@ -148,15 +159,17 @@ class S3FIFO(EvictionPolicy[K]):
             else:
                 small[k] = None
         if body:
-            c = cids[TAIL_CLASSES]
-            verdict = classes.verdict(c)
-            classes.new(c, len(body))
+            verdict = admit(cids[TAIL_CLASSES], len(body))
             if verdict == COLD:
                 front.extend(body)
             else:  # HOT keys skip probation: they will likely be asked for again
-                (main if verdict == HOT else small).update(dict.fromkeys(body))
+                queue = main if verdict == HOT else small
+                for k in body:  # (a loop: OrderedDict.update is 2.5x slower per key)
+                    queue[k] = None
         if front:  # parent first, so the leaf is on top
-            self._cold.update(dict.fromkeys(reversed(front)))
+            cold = self._cold
+            for k in reversed(front):
+                cold[k] = None
 
     def _class_ids(self, hint: Hashable | None) -> list[int]:
         """Class ids of a new key of a request with ``hint``, by place (the body's last)."""
@@ -177,6 +190,7 @@ class S3FIFO(EvictionPolicy[K]):
         classes = self._classes
         down = classes.down
         front: list[K] = []
+        fresh = self._ghost_floor()
         for k in reversed(keys) if self.leaf_first else keys:
             f = freq.get(k)
             if f is not None:
@@ -185,7 +199,7 @@ class S3FIFO(EvictionPolicy[K]):
                 continue
             c = down.pop(k, 0) if down else 0
             freq[k] = c << LABEL_SHIFT
-            if ghost.pop(k, None) is not None:
+            if ghost.pop(k, 0) >= fresh:
                 main[k] = None
                 continue
             verdict = classes.verdict(c)
@@ -196,7 +210,9 @@ class S3FIFO(EvictionPolicy[K]):
             else:
                 small[k] = None
         if front:
-            self._cold.update(dict.fromkeys(reversed(front)))
+            cold = self._cold
+            for k in reversed(front):
+                cold[k] = None
 
     def access(self, keys: Sequence[K]) -> None:
         freq = self._freq
@@ -237,14 +253,15 @@ class S3FIFO(EvictionPolicy[K]):
         freq = self._freq
         if n > len(freq):
             return None
-        small, cold, main, ghost = self._small, self._cold, self._main, self._ghost
-        small_cap, ghost_cap = self._small_cap, self._ghost_cap
         if evictable is always:
             return self._evict_unpinned(n)
+        small, cold, main, ghost = self._small, self._cold, self._main, self._ghost
+        small_cap = self._small_cap
         victims: list[K] = []
         passes_down = self._passes_down
+        drops = self._drops
         # queue lengths kept in locals: this loop is the simulator's hot path
-        ns, nm, ng, left = len(small) + len(cold), len(main), len(ghost), n
+        ns, nm, left = len(small) + len(cold), len(main), n
         skip_small = skip_main = 0
         while left:
             main_open = skip_main < nm
@@ -265,11 +282,8 @@ class S3FIFO(EvictionPolicy[K]):
                     continue
                 del freq[k]
                 ns -= 1
-                ghost[k] = f >> LABEL_SHIFT  # resident keys are never in the ghost list
-                if ng >= ghost_cap:
-                    ghost.popitem(last=False)
-                else:
-                    ng += 1
+                drops += 1
+                ghost[k] = drops << GHOST_SHIFT | f >> LABEL_SHIFT
             elif main_open:
                 k, _ = main.popitem(last=False)
                 f = freq[k]
@@ -286,7 +300,7 @@ class S3FIFO(EvictionPolicy[K]):
                 nm -= 1
             else:  # every resident key is pinned: restore, back at the front, unhit
                 for v in reversed(victims):
-                    freq[v] = (ghost.pop(v, None) or 0) << LABEL_SHIFT
+                    freq[v] = (ghost.pop(v, 0) & LABELS) << LABEL_SHIFT
                     small[v] = None
                     small.move_to_end(v, last=False)
                 return None
@@ -295,15 +309,19 @@ class S3FIFO(EvictionPolicy[K]):
                 self._dropped(k, f)
             left -= 1
             skip_small = skip_main = 0
+        self._drops = drops
+        if len(ghost) > 2 * self._ghost_cap:
+            self._trim_ghost()
         return victims
 
     def _evict_unpinned(self, n: int) -> list[K]:
         """``evict`` when nothing is pinned (``n <= len(self)``): no rotations, no restore."""
         small, cold, main, ghost = self._small, self._cold, self._main, self._ghost
         freq = self._freq
-        small_cap, ghost_cap = self._small_cap, self._ghost_cap
+        small_cap = self._small_cap
         passes_down = self._passes_down
-        nc, ns, nm, ng = len(cold), len(small) + len(cold), len(main), len(ghost)
+        drops = self._drops
+        nc, ns, nm = len(cold), len(small) + len(cold), len(main)
         victims: list[K] = []
         append = victims.append
         while n:
@@ -321,11 +339,8 @@ class S3FIFO(EvictionPolicy[K]):
                     nm += 1
                     continue
                 del freq[k]
-                ghost[k] = f >> LABEL_SHIFT
-                if ng >= ghost_cap:
-                    ghost.popitem(last=False)
-                else:
-                    ng += 1
+                drops += 1
+                ghost[k] = drops << GHOST_SHIFT | f >> LABEL_SHIFT
             else:
                 k, _ = main.popitem(last=False)
                 f = freq[k]
@@ -339,7 +354,19 @@ class S3FIFO(EvictionPolicy[K]):
             if passes_down and f:
                 self._dropped(k, f)
             n -= 1
+        self._drops = drops
+        if len(ghost) > 2 * self._ghost_cap:
+            self._trim_ghost()
         return victims
+
+    def _ghost_floor(self) -> int:
+        """Ghost values at or above this are live entries (dropped among the last capacity)."""
+        return max(self._drops - self._ghost_cap + 1, 1) << GHOST_SHIFT  # 0: not in the list
+
+    def _trim_ghost(self) -> None:
+        """Clear the ghost list's stale entries (called when it holds twice its length)."""
+        fresh = self._ghost_floor()
+        self._ghost = {k: g for k, g in self._ghost.items() if g >= fresh}
 
     def describe(self) -> dict[str, Any]:
         """Queue sizes, and (first tier) the learned request classes, most frequent first."""
@@ -347,11 +374,14 @@ class S3FIFO(EvictionPolicy[K]):
             "small": len(self._small),
             "cold": len(self._cold),
             "main": len(self._main),
-            "ghost": len(self._ghost),
+            "ghost": min(len(self._ghost), self._ghost_cap),
         }
         if not self._demoted and self.learned:
             out["classes"] = self._classes.summary()
         return out
+
+    def resident(self) -> Collection[object]:
+        return self._freq
 
     def __len__(self) -> int:
         return len(self._freq)

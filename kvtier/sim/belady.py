@@ -16,7 +16,7 @@ max-heap keyed by (next use, depth) makes ``evict`` O(log n) amortised.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 
 from kvtier.policy.base import EvictionPolicy
 from kvtier.sim.trace import Trace
@@ -118,6 +118,9 @@ class Belady(EvictionPolicy[int]):
                 heapq.heappush(heap, (-res[k], -self._oracle.depth.get(k, 0), k))
             return None
         return victims
+
+    def resident(self) -> Collection[object]:
+        return self._resident
 
     def __len__(self) -> int:
         return len(self._resident)

@@ -19,7 +19,9 @@ Model (the same decisions ``TieredStore`` makes, with counters in place of a dat
   For LRU this makes the hierarchy one LRU stack cut into segments (``kvtier.sim.sizing``).
 
 Keys are the trace's int block ids; policies are the generic ``kvtier.policy`` classes (plus the
-offline ``belady``). The per-request hit tokens by tier are kept so the cost model can price
+offline ``belady``). A single tier is replayed by its own loop, which reads residency from the
+policy (``EvictionPolicy.resident``) instead of keeping a key -> tier map; it makes the same
+decisions (``tests/test_sim.py`` checks it against the general loop). The per-request hit tokens by tier are kept so the cost model can price
 fetch-vs-recompute and TTFT without replaying again.
 """
 
@@ -170,58 +172,63 @@ def replay(
 
     cap0 = caps[0]
     get = where.get
-    for i, req in enumerate(trace.requests):
-        blocks = req.blocks
-        n = len(blocks)
-        refs += n
-        if oracle is not None:
-            oracle.advance(i, blocks)
-        chain = blocks if n <= cap0 else blocks[:cap0]
-        # one pass: the leading run of present blocks (each block is read before it moves;
-        # tokens credited to the tier holding it), and the blocks to compute or promote
-        run = 0
-        t_run = 0
-        low = 0  # blocks of the run found below the first tier (credited as they are read)
-        new: list[int] = []
-        for k in chain:
-            t = get(k)
-            if t is None:
-                if run >= 0:
-                    run = -run - 1  # the run ended: stored as -(length + 1)
-                new.append(k)
-                continue
-            if run >= 0:
-                run += 1
-                t_run = t
-            if t:  # promote: exclusive tiers, the block moves up
-                if run >= 0:
-                    hits[t][i] += bt
-                    low += 1
-                pols[t].remove(k)
-                del where[k]
-                promoted[t] += 1
-                new.append(k)
-        hits[0][i] += bt * ((run if run >= 0 else -run - 1) - low)
-        if run >= 0:
-            for k in blocks[len(chain) :]:  # beyond the first tier's size: counted, not kept
+    if n_tiers == 1:  # the common case: no tier below, residency read from the policy
+        block_hits, refs = _serve_one_tier(
+            trace, pols[0], cap0, hits[0], written, evicted, oracle, progress, hints
+        )
+    else:
+        for i, req in enumerate(trace.requests):
+            blocks = req.blocks
+            n = len(blocks)
+            refs += n
+            if oracle is not None:
+                oracle.advance(i, blocks)
+            chain = blocks if n <= cap0 else blocks[:cap0]
+            # one pass: the leading run of present blocks (each block is read before it moves;
+            # tokens credited to the tier holding it), and the blocks to compute or promote
+            run = 0
+            t_run = 0
+            low = 0  # blocks of the run found below the first tier (credited as they are read)
+            new: list[int] = []
+            for k in chain:
                 t = get(k)
                 if t is None:
-                    break
-                hits[t][i] += bt
-                run += 1
-                t_run = t
-        else:
-            run = -run - 1
-        if run == n and n:
-            hits[t_run][i] += req.input_length - bt * n  # the last block may be partial
-        block_hits += run
-        hint = output_class(req.output_length, run > 0) if hints else None
-        if new:
-            admit(0, new, chain, len(new) < len(chain), hint)
-        else:
-            pols[0].insert(chain, hint)  # all resident: the whole chain counts as accessed
-        if progress is not None and i & 255 == 255:
-            progress(i + 1)
+                    if run >= 0:
+                        run = -run - 1  # the run ended: stored as -(length + 1)
+                    new.append(k)
+                    continue
+                if run >= 0:
+                    run += 1
+                    t_run = t
+                if t:  # promote: exclusive tiers, the block moves up
+                    if run >= 0:
+                        hits[t][i] += bt
+                        low += 1
+                    pols[t].remove(k)
+                    del where[k]
+                    promoted[t] += 1
+                    new.append(k)
+            hits[0][i] += bt * ((run if run >= 0 else -run - 1) - low)
+            if run >= 0:
+                for k in blocks[len(chain) :]:  # beyond the first tier's size: counted, not kept
+                    t = get(k)
+                    if t is None:
+                        break
+                    hits[t][i] += bt
+                    run += 1
+                    t_run = t
+            else:
+                run = -run - 1
+            if run == n and n:
+                hits[t_run][i] += req.input_length - bt * n  # the last block may be partial
+            block_hits += run
+            hint = output_class(req.output_length, run > 0) if hints else None
+            if new:
+                admit(0, new, chain, len(new) < len(chain), hint)
+            else:
+                pols[0].insert(chain, hint)  # all resident: the whole chain counts as accessed
+            if progress is not None and i & 255 == 255:
+                progress(i + 1)
     if progress is not None:
         progress(n_req)
     return ReplayResult(
@@ -235,6 +242,63 @@ def replay(
         block_refs=refs,
         hints=hints,
     )
+
+
+def _serve_one_tier(
+    trace: Trace,
+    pol: EvictionPolicy[int],
+    cap: int,
+    hits: list[int],
+    written: list[int],
+    evicted: list[int],
+    oracle: FutureOracle | None,
+    progress: Callable[[int], None] | None,
+    hints: bool,
+) -> tuple[int, int]:
+    """``replay``'s loop for a single tier: the same decisions, with residency read from the
+    policy itself (``EvictionPolicy.resident``) instead of a key -> tier map. Fills ``hits``
+    (by request), ``written[0]`` and ``evicted[0]``; returns (block hits, block references)."""
+    resident = pol.resident()
+    insert, evict = pol.insert, pol.evict
+    bt = trace.block_tokens
+    block_hits = refs = n_written = n_evicted = 0
+    for i, req in enumerate(trace.requests):
+        blocks = req.blocks
+        n = len(blocks)
+        refs += n
+        if oracle is not None:
+            oracle.advance(i, blocks)
+        chain = blocks if n <= cap else blocks[:cap]
+        run = 0
+        for k in chain:
+            if k not in resident:
+                break
+            run += 1
+        n_chain = len(chain)
+        if run == n_chain:
+            n_new = 0
+            for k in blocks[n_chain:]:  # beyond the tier's size: counted, not kept
+                if k not in resident:
+                    break
+                run += 1
+        else:
+            n_new = len(set(chain[run:]).difference(resident))
+        hits[i] = bt * run + (req.input_length - bt * n if run == n and n else 0)
+        block_hits += run
+        hint = output_class(req.output_length, run > 0) if hints else None
+        if n_new:
+            need = len(pol) + n_new - cap
+            if need > 0:
+                victims = evict(need, _not_in(chain) if n_new < n_chain else always)
+                assert victims is not None, "policy refused to evict unpinned blocks"
+                n_evicted += len(victims)
+            n_written += n_new
+        insert(chain, hint)
+        if progress is not None and i & 255 == 255:
+            progress(i + 1)
+    written[0] += n_written
+    evicted[0] += n_evicted
+    return block_hits, refs
 
 
 def _not_in(chain: Sequence[int]) -> Callable[[int], bool]:

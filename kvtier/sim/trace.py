@@ -97,6 +97,11 @@ def parse_request(line: str, where: str, block_tokens: int = MOONCAKE_BLOCK_TOKE
         isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids
     ):
         raise TraceError(f"{where}: 'hash_ids' must be a list of non-negative integers")
+    if len(set(ids)) != len(ids):
+        raise TraceError(
+            f"{where}: 'hash_ids' repeats an id; chained ids name distinct prefixes, so an id "
+            "appears at most once per request"
+        )
     expected = -(-length // block_tokens)
     if len(ids) != expected:
         raise TraceError(
