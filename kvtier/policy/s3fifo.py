@@ -342,12 +342,13 @@ class S3FIFO(EvictionPolicy[K]):
                 drops += 1
                 ghost[k] = drops << GHOST_SHIFT | f >> LABEL_SHIFT
             else:
-                k, _ = main.popitem(last=False)
+                k = next(iter(main))
                 f = freq[k]
-                if f & HITS:
+                if f & HITS:  # another round (moved in place: half the cost of pop + set)
                     freq[k] = f - 1
-                    main[k] = None
+                    main.move_to_end(k)
                     continue
+                del main[k]
                 del freq[k]
                 nm -= 1
             append(k)
