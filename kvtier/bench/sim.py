@@ -4,6 +4,9 @@ loop doing only the dict lookups every event needs (measured in the same run).
 Targets: >= 1M block events/s; the shared Mooncake trace (4k requests) end to end <= 2 s.
 ``end_to_end_s`` is the first round (parse + replay); events/s and the floor are the best of
 ``--rounds`` (the machine is shared: the best round is the least disturbed one).
+``cpu_events_per_s`` divides by the best round's CPU time of this process instead of wall time:
+on a virtual machine whose host takes the CPU away (steal), wall time grows while the simulator
+does nothing, and the CPU figure shows what it does when it runs.
 """
 
 from __future__ import annotations
@@ -34,15 +37,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     trace = read_trace(args.trace)
     t1 = time.perf_counter()
     spec = [TierSpec("hbm", args.capacity_blocks, args.policy)]
+    c1 = time.process_time()
     res = replay(trace, spec, hints=args.hints)
     first = time.perf_counter() - t1
-    best = first
+    best, best_cpu = first, time.process_time() - c1
     floor = float("inf")
     for _ in range(max(args.rounds, 1)):
         if _:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             replay(trace, spec, hints=args.hints)
             best = min(best, time.perf_counter() - t)
+            best_cpu = min(best_cpu, time.process_time() - c)
         t = time.perf_counter()
         seen: dict[int, int] = {}  # floor: one dict probe + one store per event, nothing else
         for r in trace.requests:
@@ -60,6 +65,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "replay_s": best,
         "end_to_end_s": t1 - t0 + first,
         "events_per_s": events / best,
+        "cpu_events_per_s": events / best_cpu if best_cpu > 0 else float("inf"),
         "floor_events_per_s": events / floor,
         "ratio_to_floor": floor / best,
         "rounds": max(args.rounds, 1),

@@ -21,8 +21,9 @@ Model (the same decisions ``TieredStore`` makes, with counters in place of a dat
 Keys are the trace's int block ids; policies are the generic ``kvtier.policy`` classes (plus the
 offline ``belady``). A single tier is replayed by its own loop, which reads residency from the
 policy (``EvictionPolicy.resident``) instead of keeping a key -> tier map; it makes the same
-decisions (``tests/test_sim.py`` checks it against the general loop). The per-request hit tokens by tier are kept so the cost model can price
-fetch-vs-recompute and TTFT without replaying again.
+decisions (``tests/test_sim.py`` checks it against the general loop). The per-request hit
+tokens by tier are kept so the cost model can price fetch-vs-recompute and TTFT without
+replaying again.
 """
 
 from __future__ import annotations
