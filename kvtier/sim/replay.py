@@ -283,7 +283,7 @@ def _serve_one_tier(
                     break
                 run += 1
         else:
-            n_new = len(set(chain[run:]).difference(resident))
+            n_new = len([k for k in chain[run:] if k not in resident])
         hits[i] = bt * run + (req.input_length - bt * n if run == n and n else 0)
         block_hits += run
         hint = output_class(req.output_length, run > 0) if hints else None
