@@ -28,7 +28,7 @@ replaying again.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 
@@ -41,7 +41,7 @@ from kvtier.policy.admission import output_class
 from kvtier.policy.base import always
 from kvtier.policy.s3fifo import BlockS3FIFO
 from kvtier.sim.belady import Belady, FutureOracle
-from kvtier.sim.trace import Trace
+from kvtier.sim.trace import Request, Trace
 
 #: offered by the simulator only: the offline ceiling and the prefix-unaware baseline
 SIM_ONLY = ("belady", BlockS3FIFO.name)
@@ -130,7 +130,6 @@ def replay(
     written = [0] * n_tiers
     evicted = [0] * n_tiers
     block_hits = 0
-    refs = 0
 
     def admit(
         t: int,
@@ -173,18 +172,13 @@ def replay(
 
     cap0 = caps[0]
     get = where.get
+    requests = _served(trace, cap0, oracle, progress)
     if n_tiers == 1:  # the common case: no tier below, residency read from the policy
-        block_hits, refs = _serve_one_tier(
-            trace, pols[0], cap0, hits[0], written, evicted, oracle, progress, hints
-        )
+        block_hits = _serve_one_tier(requests, bt, pols[0], cap0, hits[0], written, evicted, hints)
     else:
-        for i, req in enumerate(trace.requests):
+        for i, req, chain in requests:
             blocks = req.blocks
             n = len(blocks)
-            refs += n
-            if oracle is not None:
-                oracle.advance(i, blocks)
-            chain = blocks if n <= cap0 else blocks[:cap0]
             # one pass: the leading run of present blocks (each block is read before it moves;
             # tokens credited to the tier holding it), and the blocks to compute or promote
             run = 0
@@ -228,8 +222,6 @@ def replay(
                 admit(0, new, chain, len(new) < len(chain), hint)
             else:
                 pols[0].insert(chain, hint)  # all resident: the whole chain counts as accessed
-            if progress is not None and i & 255 == 255:
-                progress(i + 1)
     if progress is not None:
         progress(n_req)
     return ReplayResult(
@@ -240,36 +232,44 @@ def replay(
         written_blocks=written,
         evicted_blocks=evicted,
         block_hits=block_hits,
-        block_refs=refs,
+        block_refs=trace.block_events,
         hints=hints,
     )
 
 
+def _served(
+    trace: Trace, cap: int, oracle: FutureOracle | None, progress: Callable[[int], None] | None
+) -> Iterator[tuple[int, Request, tuple[int, ...]]]:
+    """The trace's requests in order, each with its index and the chain the first tier keeps
+    (its leading ``cap`` blocks). Advances ``oracle`` before a request is served and reports
+    ``progress`` every 256 served."""
+    for i, req in enumerate(trace.requests):
+        if oracle is not None:
+            oracle.advance(i, req.blocks)
+        yield i, req, req.blocks if len(req.blocks) <= cap else req.blocks[:cap]
+        if progress is not None and i & 255 == 255:
+            progress(i + 1)
+
+
 def _serve_one_tier(
-    trace: Trace,
+    requests: Iterator[tuple[int, Request, tuple[int, ...]]],
+    bt: int,
     pol: EvictionPolicy[int],
     cap: int,
     hits: list[int],
     written: list[int],
     evicted: list[int],
-    oracle: FutureOracle | None,
-    progress: Callable[[int], None] | None,
     hints: bool,
-) -> tuple[int, int]:
+) -> int:
     """``replay``'s loop for a single tier: the same decisions, with residency read from the
     policy itself (``EvictionPolicy.resident``) instead of a key -> tier map. Fills ``hits``
-    (by request), ``written[0]`` and ``evicted[0]``; returns (block hits, block references)."""
+    (by request), ``written[0]`` and ``evicted[0]``; returns the block hits."""
     resident = pol.resident()
     insert, evict = pol.insert, pol.evict
-    bt = trace.block_tokens
-    block_hits = refs = n_written = n_evicted = 0
-    for i, req in enumerate(trace.requests):
+    block_hits = n_written = n_evicted = 0
+    for i, req, chain in requests:
         blocks = req.blocks
         n = len(blocks)
-        refs += n
-        if oracle is not None:
-            oracle.advance(i, blocks)
-        chain = blocks if n <= cap else blocks[:cap]
         run = 0
         for k in chain:
             if k not in resident:
@@ -295,11 +295,9 @@ def _serve_one_tier(
                 n_evicted += len(victims)
             n_written += n_new
         insert(chain, hint)
-        if progress is not None and i & 255 == 255:
-            progress(i + 1)
     written[0] += n_written
     evicted[0] += n_evicted
-    return block_hits, refs
+    return block_hits
 
 
 def _not_in(chain: Sequence[int]) -> Callable[[int], bool]:
