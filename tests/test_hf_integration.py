@@ -18,6 +18,7 @@ from kvtier.errors import LayoutError, TokenError  # noqa: E402
 from kvtier.integrations import hf, hf_cache  # noqa: E402
 from kvtier.integrations.models import ARCHITECTURES, ModelSpec, random_model  # noqa: E402
 from kvtier.layout import KVLayout  # noqa: E402
+from kvtier.policy.admission import output_class  # noqa: E402
 from kvtier.store import TieredStore  # noqa: E402
 from kvtier.tiers.host import HostTier  # noqa: E402
 from kvtier.tiers.nvme import NVMeTier  # noqa: E402
@@ -114,6 +115,23 @@ def test_multi_turn_from_host_is_bit_identical(model: Any) -> None:
         assert "chat" in store._index.policies[0]._ids_by_hint  # type: ignore[union-attr]
         assert set(got2.sources) == {"host"}
         assert_same(got2, hf.generate_reference(model, turn2, NEW))
+
+
+def test_by_output_labels_the_prompt_by_how_the_request_went(model: Any) -> None:
+    """``BY_OUTPUT``: the prompt is stored after decoding, labelled with the simulator's class
+    (output length, reused a prefix); the output and what the next turn reuses are unchanged."""
+    turn1 = prompt(75, 8)
+    with host_store(model) as store:
+        got1 = hf.generate_with_cache(model, store, turn1, NEW, reuse_class=hf.BY_OUTPUT)
+        assert got1.stored_tokens == 64 + 16  # the prompt's 4 blocks, then the one it ends in
+        assert_same(got1, hf.generate_reference(model, turn1, NEW))
+        turn2 = np.concatenate([turn1, got1.tokens, prompt(30, 9)])
+        got2 = hf.generate_with_cache(model, store, turn2, NEW, reuse_class=hf.BY_OUTPUT)
+        assert got2.n_reused == 80
+        assert_same(got2, hf.generate_reference(model, turn2, NEW))
+        hints = store._index.policies[0]._ids_by_hint  # type: ignore[union-attr]
+        assert output_class(NEW, False) in hints and output_class(NEW, True) in hints
+        assert hf.BY_OUTPUT not in hints
 
 
 def test_fully_cached_prompt_still_recomputes_the_tail(model: Any) -> None:

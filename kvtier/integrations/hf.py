@@ -45,7 +45,7 @@ from __future__ import annotations
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import numpy as np
 import torch
@@ -54,9 +54,19 @@ from transformers import DynamicCache
 from kvtier.errors import ConfigError, TokenError
 from kvtier.integrations import hf_cache
 from kvtier.keys import as_tokens
+from kvtier.policy.admission import output_class
 
 MIN_RECOMPUTE = 16
 StoreGenerated = Literal["exact", "decode", "none"]
+
+
+class _ByOutput:
+    def __repr__(self) -> str:
+        return "BY_OUTPUT"
+
+
+#: ``generate_with_cache(..., reuse_class=BY_OUTPUT)``: label the request by how it went
+BY_OUTPUT: Final = _ByOutput()
 Tokens = np.ndarray[Any, np.dtype[np.uint32]]
 
 
@@ -216,7 +226,11 @@ def generate_with_cache(
     the store's learned admission (``TieredStore.store``).
 
     Stores the prompt's new full blocks after the first token is produced, and the generated
-    tokens' blocks at the end (``store_generated``, see the module docs). Logits and tokens are
+    tokens' blocks at the end (``store_generated``, see the module docs). With
+    ``reuse_class=BY_OUTPUT`` the prompt's blocks are stored at the end too, labelled
+    ``output_class(generated tokens, reused a cached prefix)``: the class the simulator gives
+    each trace request, which on the Mooncake trace tells a document that will be asked about
+    again from one that will not (``docs/simulation.md``). Logits and tokens are
     bit-identical to ``generate_reference`` on CPU fp32 with ``kvtier_exact`` attention.
     """
     if store_generated not in ("exact", "decode", "none"):
@@ -240,8 +254,13 @@ def generate_with_cache(
     first = out.logits[0, -1]
     _sync(first)
     ttft = time.perf_counter() - t0
-    stored = store_cache(store, tokens, cache, tenant=tenant, reuse_class=reuse_class)
+    by_output = reuse_class is BY_OUTPUT
+    if not by_output:
+        stored = store_cache(store, tokens, cache, tenant=tenant, reuse_class=reuse_class)
     gen, logits = _decode(model, cache, first, max_new_tokens, eos_token_id)
+    if by_output:  # the prompt's blocks are unchanged by decoding: store them now, labelled
+        reuse_class = output_class(len(gen), n_reused > 0)
+        stored = store_cache(store, tokens, cache, tenant=tenant, reuse_class=reuse_class)
     if store_generated != "none" and len(gen) > 1:
         seq = np.concatenate([tokens, np.asarray(gen[:-1], dtype=np.uint32)])
         if store_generated == "exact":
