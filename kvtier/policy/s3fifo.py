@@ -56,8 +56,8 @@ TAIL_CLASSES = 4
 #: a key's counter is ``hits | class_id << LABEL_SHIFT``; a labelled key has no hits yet
 LABEL_SHIFT = 2
 HITS = (1 << LABEL_SHIFT) - 1
-#: a ghost entry is ``drop number << GHOST_SHIFT | class id``
-GHOST_SHIFT = 13
+#: a ghost entry is ``drop number << GHOST_SHIFT | class id`` (room for every class id)
+GHOST_SHIFT = ReuseClasses.max_classes.bit_length()
 LABELS = (1 << GHOST_SHIFT) - 1
 
 
@@ -81,8 +81,8 @@ class S3FIFO(EvictionPolicy[K]):
         self._cold: OrderedDict[K, None] = OrderedDict()
         self._main: OrderedDict[K, None] = OrderedDict()
         # dropped keys -> drop number << GHOST_SHIFT | class id (0: none); a key is in the ghost
-        # list while fewer than its capacity were dropped after it (older entries are stale,
-        # cleared in bulk now and then)
+        # list while fewer than ``_ghost_cap`` keys were dropped after it (older entries are
+        # stale, cleared in bulk now and then)
         self._ghost: dict[K, int] = {}
         self._drops = 0
         # per resident key: hits (2 bits, at most MAX_FREQ) or, until its first reuse, the id
