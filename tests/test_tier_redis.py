@@ -17,7 +17,13 @@ from kvtier.tiers.base import Tier
 from kvtier.tiers.redis import RedisOptions, RedisTier
 from kvtier.tiers.registry import make_tier
 from tests.servers import redis_server_process
-from tests.tier_conformance import LAYOUT, TierConformance, empty_block, rand_block, rand_key
+from tests.tier_conformance import (
+    LAYOUT,
+    TierConformance,
+    assert_round_trip,
+    rand_block,
+    rand_key,
+)
 
 pytestmark = pytest.mark.server
 
@@ -123,10 +129,7 @@ def test_from_config_via_registry(redis_url: str) -> None:
     tier = make_tier(LAYOUT, {"kind": "redis", "url": redis_url, "prefix": _prefix(), "ttl": 60})
     try:
         assert isinstance(tier, RedisTier) and tier.shared and not tier.persistent
-        k, b = rand_key(), rand_block(seed=3)
-        assert tier.put([k], [b]) == [True]
-        out = empty_block()
-        assert tier.get_into([k], [out]) == [True] and out.tobytes() == b.tobytes()
+        assert_round_trip(tier, seed=3)
     finally:
         tier.close()
 

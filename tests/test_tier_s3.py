@@ -14,7 +14,14 @@ from kvtier.layout import KVLayout
 from kvtier.tiers.base import Tier
 from kvtier.tiers.registry import make_tier
 from kvtier.tiers.s3 import S3Options, S3Tier
-from tests.tier_conformance import LAYOUT, TierConformance, empty_block, rand_block, rand_key
+from tests.tier_conformance import (
+    LAYOUT,
+    TierConformance,
+    assert_round_trip,
+    empty_block,
+    rand_block,
+    rand_key,
+)
 
 pytestmark = pytest.mark.server
 BUCKET = "kvtier-test"
@@ -96,10 +103,7 @@ def test_from_config_via_registry(s3_endpoint: str) -> None:
     tier = make_tier(LAYOUT, spec)
     try:
         assert isinstance(tier, S3Tier) and tier.sealer.encrypted and tier.shared
-        k, b = rand_key(), rand_block(seed=4)
-        assert tier.put([k], [b]) == [True]
-        out = empty_block()
-        assert tier.get_into([k], [out]) == [True] and out.tobytes() == b.tobytes()
+        assert_round_trip(tier, seed=4)
     finally:
         tier.close()
 

@@ -43,6 +43,14 @@ def empty_block(layout: KVLayout = LAYOUT) -> np.ndarray[Any, Any]:
     return np.zeros(layout.block_shape, dtype=layout.storage_dtype)
 
 
+def assert_round_trip(tier: Tier, seed: int) -> None:
+    """One new block put into ``tier`` comes back byte for byte."""
+    k, b = rand_key(), rand_block(tier.layout, seed=seed)
+    assert tier.put([k], [b]) == [True]
+    out = empty_block(tier.layout)
+    assert tier.get_into([k], [out]) == [True] and out.tobytes() == b.tobytes()
+
+
 class TierConformance:
     """Mixin of contract tests; subclasses provide ``make_tier``."""
 
