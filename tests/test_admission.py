@@ -13,6 +13,7 @@ from kvtier.policy.base import always
 from kvtier.policy.s3fifo import S3FIFO, TAIL_CLASSES
 from kvtier.sim.replay import TierSpec, replay
 from kvtier.sim.trace import Request, Trace
+from kvtier.store import TieredStore
 from tests.helpers import SMALL, host_store, kv_for
 
 
@@ -29,21 +30,59 @@ def test_verdicts_follow_the_reuse_rate() -> None:
         rc.reused(doc)
     for _ in range(50):
         rc.reused(mixed)
+    rc.refresh()  # overall rate 140/300: cold below 0.4x that
     assert (rc.verdict(dead), rc.verdict(doc), rc.verdict(mixed)) == (COLD, HOT, NORMAL)
     assert rc.verdict(0) == NORMAL  # unlabelled keys are never judged
     rc.new(0, 1000)
     assert rc.verdict(0) == NORMAL
 
 
+def test_cold_is_relative_to_the_overall_reuse_rate() -> None:
+    """8% reuse is cold beside documents reused 90% of the time, not beside keys reused 9%."""
+    rc: ReuseClasses[int] = ReuseClasses(window=10_000, handoff=10)
+    rare, often = rc.cid("rare"), rc.cid("often")
+    rc.new(rare, 1000)
+    rc.new(often, 1000)
+    for _ in range(80):
+        rc.reused(rare)
+    for _ in range(100):
+        rc.reused(often)
+    rc.refresh()
+    assert (rc.verdict(rare), rc.verdict(often)) == (NORMAL, NORMAL)
+    for _ in range(800):
+        rc.reused(often)
+    rc.refresh()
+    assert (rc.verdict(rare), rc.verdict(often)) == (COLD, HOT)
+    nothing: ReuseClasses[int] = ReuseClasses(window=10_000, handoff=10)
+    c = nothing.cid("x")
+    nothing.new(c, 5000)  # nothing is ever reused: no class is worse than the rest
+    assert nothing.verdict(c) == NORMAL
+
+
+def test_the_overall_rate_refreshes_as_keys_arrive() -> None:
+    rc: ReuseClasses[int] = ReuseClasses(window=100_000, handoff=10)
+    dead, doc = rc.cid("dead"), rc.cid("doc")
+    rc.new(doc, 100)
+    for _ in range(100):
+        rc.reused(doc)
+    assert rc.admit(dead, 10) == NORMAL  # no refresh yet: no cut
+    assert rc.admit(dead, rc.min_samples) == COLD  # refreshed after min_samples + classes keys
+
+
 def test_counts_halve_so_verdicts_follow_a_changing_workload() -> None:
     rc: ReuseClasses[int] = ReuseClasses(window=200, handoff=10)
-    c = rc.cid("x")
+    c, other = rc.cid("x"), rc.cid("other")
+    rc.new(other, 100)
+    for _ in range(50):
+        rc.reused(other)
     rc.new(c, 150)
+    rc.refresh()
     assert rc.verdict(c) == COLD
     for _ in range(10):  # the class starts being reused: 100% of what comes now
         rc.new(c, 10)
         for _ in range(10):
             rc.reused(c)
+    rc.refresh()
     assert rc.verdict(c) != COLD
 
 
@@ -101,6 +140,7 @@ def test_labels_travel_down_a_hierarchy() -> None:
     lower: S3FIFO[int] = S3FIFO(10)
     lower.feed_by_demotion(upper)
     nxt = _train(upper, "dead", False, 100, 0)
+    nxt = _train(upper, "doc", True, 100, nxt)  # cold is relative: some class must come back
     upper.insert(list(range(nxt, nxt + 6)), None)
     upper.insert([nxt + 10, nxt + 11], "dead")
     victims = upper.evict(len(upper), always)
@@ -213,13 +253,23 @@ def test_a_store_never_evicts_its_own_cached_prefix(policy: str) -> None:
         assert st.lookup(b) == 0
 
 
+def _store_dead_and_docs(st: TieredStore, n: int, base: int) -> None:
+    """``n`` one-block prompts of a class never seen again ("dead"), each followed by a prompt of
+    a class that is read back at once ("doc"): cold is judged against the overall reuse rate."""
+    bt = SMALL.block_tokens
+    out = np.zeros(SMALL.kv_shape(bt), SMALL.storage_dtype)
+    for i in range(n):
+        toks = [base + i] * bt
+        st.store(toks, kv_for(toks), reuse_class="dead")
+        doc = [base + n + i] * bt
+        st.store(doc, kv_for(doc), reuse_class="doc")
+        assert st.load(doc, out) == bt
+
+
 def test_store_labels_follow_demotions_to_the_lower_tier() -> None:
     """In the store, a cold class learned in the first tier is cold in the tier below too."""
-    bt = SMALL.block_tokens
     with host_store(8, lower=400) as st:
-        for i in range(120):  # one-block prompts of a class that never comes back
-            toks = [10_000 + i] * bt
-            st.store(toks, kv_for(toks), reuse_class="dead")
+        _store_dead_and_docs(st, 120, 10_000)
         st.flush()
         lower = st._index.policies[1]
         assert isinstance(lower, S3FIFO) and lower._classes is st._index.policies[0]._classes
@@ -227,15 +277,14 @@ def test_store_labels_follow_demotions_to_the_lower_tier() -> None:
 
 
 def test_stats_show_what_the_policy_learned() -> None:
-    bt = SMALL.block_tokens
     with host_store(8, lower=64) as st:
-        for i in range(80):
-            toks = [20_000 + i] * bt
-            st.store(toks, kv_for(toks), reuse_class="dead")
+        _store_dead_and_docs(st, 80, 20_000)
         st.flush()
         pols = st.stats()["policies"]
         first, lower = pols["host"], pols["host2"]
         assert first["small"] + first["cold"] + first["main"] <= 8
-        top = first["classes"][0]
-        assert top["class"] == "('dead', 0)" and top["verdict"] == "cold" and top["new"] >= 50
+        learned = {c["class"]: c for c in first["classes"]}
+        dead = learned["('dead', 0)"]
+        assert dead["verdict"] == "cold" and dead["new"] >= 50
+        assert learned["('doc', 0)"]["verdict"] == "hot"
         assert "classes" not in lower  # the lower tier shares the first tier's classes
