@@ -17,13 +17,13 @@ not in the store's registry: only the simulator offers it, as the comparison bas
 
 Learned admission (``kvtier.policy.admission``): every new key is labelled with a class -- the
 ``hint`` of its ``insert`` (the request's reuse class, if the caller gives one) and its place
-among the request's new keys (the last, second-to-last and third-to-last new key each have their
-own class, the rest one more). The policy learns each class's reuse rate from later hits, ghost
-hits and returns from a lower tier. A ``COLD`` class's new keys (reused at under 0.4x the rate
-of all new keys) enter probation at its *front*, the first victims unless hit soon; a ``HOT``
-class's (over 70%) skip probation for the main queue, so a document that will be asked about
-again survives the wait for its first reuse; the rest enter probation as usual. On the Mooncake
-trace a request's last new block is reused 5% of the time (its last block is partial, the next
+among the request's new keys (each of the last ``TAIL_CLASSES`` = 4 new keys has a class of its
+own, the rest share one). The policy learns each class's reuse rate from later hits, ghost hits
+and returns from a lower tier. A ``COLD`` class's new keys (reused at under 0.4x the rate of all
+new keys) enter probation at its *front*, the first victims unless hit soon; a ``HOT`` class's
+(over 70%) skip probation for the main queue, so a document that will be asked about again
+survives the wait for its first reuse; the rest enter probation as usual. On the Mooncake trace
+a request's last new block is reused 5% of the time (its last block is partial, the next
 request's differs) and learns to be ``COLD``; on a chat workload the same place is reused with
 the next turn and stays ``NORMAL``. A fixed rule (the last 3 new keys as first victims) did as
 well on Mooncake and fell to 0.86x LRU on synthetic chat; the learned one stays within 0.6% of
