@@ -25,9 +25,17 @@ from kvtier.transfer import Completion
 
 @dataclass(slots=True)
 class Counters:
-    """What the store did, in blocks or tokens (``stats()["store"]``)."""
+    """What the store did, in blocks or tokens (``stats()["store"]``, and per tenant).
+
+    ``hit_tokens`` / ``miss_tokens``: of the full-block tokens each ``load`` asked for, those it
+    served and those it did not (not cached, or dropped as lost or corrupt); ``token_hit_ratio``
+    in ``stats()`` is hits over both. ``invalid_blocks``: blocks the index listed as present
+    that a tier could not return verified (lost or corrupt), not blocks an eviction was already
+    taking away.
+    """
 
     lookups: int = 0
+    loads: int = 0
     hit_tokens: int = 0
     miss_tokens: int = 0
     stored_tokens: int = 0
@@ -73,6 +81,18 @@ class Decider:
     def tenants(self) -> dict[str, Counters]:
         return self._tenants
 
+    def counted(self, tenant: str) -> tuple[Counters, Counters]:
+        """The store's counters and ``tenant``'s: an event is counted in both."""
+        return self.counters, self.tenant_counters(tenant)
+
+    def count_load(self, tenant: str, got: int, asked: int) -> None:
+        """A load served ``got`` of the ``asked`` full blocks of its tokens."""
+        bt = self.block_tokens
+        for cnt in self.counted(tenant):
+            cnt.loads += 1
+            cnt.hit_tokens += got * bt
+            cnt.miss_tokens += (asked - got) * bt
+
     def apply(self, done: Sequence[Completion]) -> None:
         """Commit the outcome of finished async jobs (under the lock)."""
         idx = self.index
@@ -107,6 +127,8 @@ class Decider:
         self.evicting[tier] += len(victims)
         lower = self.next_local(tier)
         below = ~((2 << tier) - 1)  # bits of every tier after this one
+        for k in victims:  # its copy there is going away: a failed read of it is no loss
+            idx.entries[k].leaving |= 1 << tier
         move_keys = [k for k in victims if lower is not None and not idx.entries[k].tiers & below]
         drop_keys = [k for k in victims if k not in set(move_keys)]
         if move_keys and lower is not None:
@@ -148,20 +170,25 @@ class Decider:
     def finish_load(
         self, reads: list[Read], ok: list[bool], n: int, tenant: str
     ) -> tuple[list[int], bool]:
-        """Unpin, drop invalid blocks, refresh policies; return (positions to promote, retry)."""
+        """Unpin, drop invalid blocks, refresh policies; return (positions to promote, retry).
+        The caller counts the load's hits and misses (``count_load``) once it is done."""
         idx = self.index
-        bt = self.block_tokens
         retry = False
         idx.unpin([r.key for r in reads if r.pinned])
         if n < len(reads) and reads[n].pinned:
             failed = reads[n]
             e = idx.entries.get(failed.key)
-            if e is not None and e.pending & ~e.tiers:
+            bit = 1 << failed.tier
+            if e is None:
+                pass  # forgotten meanwhile: a plain miss
+            elif e.pending & ~e.tiers:
                 retry = True  # being moved right now: the index catches up on poll
-            elif e is not None and e.tiers & ~(1 << failed.tier):
+            elif e.tiers & ~bit:
                 idx.drop(failed.key, failed.tier)
                 retry = True  # another tier still holds a copy
-            else:  # the index said present: lost or corrupt
+            elif not e.tiers & bit or e.leaving & bit:
+                pass  # an eviction took it out of that tier, or is doing so: a plain miss
+            else:  # the index says it is there: lost or corrupt
                 idx.drop(failed.key, failed.tier)
                 self.counters.invalid_blocks += 1
         by_tier: dict[int, list[BlockKey]] = {}
@@ -171,9 +198,6 @@ class Decider:
             if tier in self.shared:
                 idx.add_present(keys, tier)
             idx.touch(keys, tier)
-        for cnt in (self.counters, self.tenant_counters(tenant)):
-            cnt.hit_tokens += n * bt
-            cnt.miss_tokens += max(0, len(reads) - n) * bt
         return [i for i, r in enumerate(reads[:n]) if r.tier != 0], retry
 
     def plan_fetch(self, reads: list[Read], owner: str) -> list[Move]:

@@ -6,7 +6,9 @@ move. Each block has an ``Entry``:
 - ``tiers`` -- bitmask of tiers holding a complete, readable copy (bit i = tier i);
 - ``pending`` -- bitmask of tiers being written (not readable there yet);
 - ``pins`` -- readers, in-flight moves out of it, and request pins; a pinned block is never
-  chosen for eviction.
+  chosen for eviction;
+- ``leaving`` -- bitmask of tiers an eviction is taking it out of (its copy there may vanish
+  before the move is committed).
 
 Each tier that the store manages (bounded, local) has an eviction policy tracking exactly the keys
 resident there. ``plan_room`` asks it for victims, all-or-nothing, skipping pinned or pending
@@ -28,6 +30,7 @@ class Entry:
     tiers: int = 0
     pending: int = 0
     pins: int = 0
+    leaving: int = 0
 
     def best_tier(self) -> int:
         """Index of the fastest tier holding the block; -1 if none."""
@@ -120,6 +123,7 @@ class BlockIndex:
         if e is None or not e.tiers & bit:
             return
         e.tiers &= ~bit
+        e.leaving &= ~bit
         self.resident[tier] -= 1
         policy = self.policies[tier]
         if policy is not None:

@@ -31,7 +31,7 @@ import xxhash
 
 from kvtier.decider import Read
 from kvtier.errors import LayoutError
-from kvtier.keys import TokenIds, iter_keys
+from kvtier.keys import Namespace, TokenIds, iter_keys
 from kvtier.kvarray import host_array
 from kvtier.tiers.base import Array
 
@@ -163,7 +163,7 @@ def start_layer_load(store: ReadPath, tokens: Any, out: Any, tenant: str | None)
         if n < good:  # bytes that do not hash to the recorded checksum: corrupt in that tier
             log.warning("layer-wise load: block %d failed verification; dropped", n)
             tiers[n].delete([reads[n].key], ns.owner)
-        return _finish_load(store, reads, views, ok, n, ns.tenant, ns.owner)
+        return _finish_load(store, reads, views, ok, n, limit, ns)
 
     ll._finish = finish
     ll._thread = threading.Thread(target=read_all, name="kvtier-layers", daemon=True)
@@ -177,14 +177,15 @@ def _finish_load(
     views: list[Array],
     ok: list[bool],
     n: int,
-    tenant: str,
-    owner: str,
+    asked: int,
+    ns: Namespace,
 ) -> int:
     """Unpin, account, drop the failed block and promote like ``TieredStore.load`` does."""
     with store._lock:
-        promote, _ = store._decider.finish_load(reads, ok, n, tenant)
+        promote, _ = store._decider.finish_load(reads, ok, n, ns.tenant)
+        store._decider.count_load(ns.tenant, n, asked)
     if promote:
-        store._promote([reads[i] for i in promote], [views[i] for i in promote], owner)
+        store._promote([reads[i] for i in promote], [views[i] for i in promote], ns.owner)
     return n * store.layout.block_tokens
 
 

@@ -53,6 +53,8 @@ class ReadPath(StoreCore):
             if not retry or done >= limit:
                 break
             self._engine.wait_idle(timeout=5.0)  # rare: let the move that raced us finish
+        with self._lock:
+            self._decider.count_load(ns.tenant, done, limit)
         return done * self.layout.block_tokens
 
     def _load_pass(

@@ -93,7 +93,8 @@ class TieredStore(ReadPath):
                 if e is None or not e.tiers:
                     break
                 n += 1
-            self._decider.counters.lookups += 1
+            for cnt in self._decider.counted(ns.tenant):
+                cnt.lookups += 1
         n += len(self._shared_extension(ns, toks, n, limit))
         return n * self.layout.block_tokens
 
@@ -144,7 +145,8 @@ class TieredStore(ReadPath):
         self._poll()
         with self._lock:
             new = [i for i, k in enumerate(keys) if not self._held(k)]
-            self._decider.counters.skipped_blocks += n_blocks - len(new)
+            for cnt in self._decider.counted(ns.tenant):
+                cnt.skipped_blocks += n_blocks - len(new)
             # the cached part is pinned while new blocks make room: no parent is evicted to
             # make room for its own child
             fresh = set(new)
@@ -204,8 +206,8 @@ class TieredStore(ReadPath):
             idx.end_write(new_keys, 0, ok, reuse_class)
             written = sum(ok)
             tokens = written * self.layout.block_tokens
-            self._decider.counters.stored_tokens += tokens
-            self._decider.tenant_counters(ns.tenant).stored_tokens += tokens
+            for cnt in self._decider.counted(ns.tenant):
+                cnt.stored_tokens += tokens
             through = self._decider.plan_write_through(
                 [k for k, g in zip(new_keys, ok, strict=True) if g], owner
             )

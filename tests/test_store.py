@@ -8,7 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvtier.decider import Decider
 from kvtier.errors import ConfigError, LayoutError, TokenError
+from kvtier.moves import Move
 from kvtier.store import TieredStore
 from kvtier.tiers.host import HostTier
 from tests.helpers import SMALL, host_store, kv_for
@@ -122,6 +124,45 @@ def test_bit_flip_is_a_miss_and_counted() -> None:
         assert np.array_equal(out[:, :, :4], kv_for(toks)[:, :, :4])
         assert st.stats()["store"]["invalid_blocks"] == 1
         assert st.lookup(toks) == 4
+
+
+def test_load_misses_count_in_the_token_hit_ratio_per_tenant() -> None:
+    """Every full-block token a load asks for is a hit or a miss: not cached counts too."""
+    bt = SMALL.block_tokens
+    with host_store() as st:
+        cached = list(range(2 * bt))
+        st.store(cached, kv_for(cached), tenant="a")
+        out = np.zeros(SMALL.kv_shape(4 * bt), SMALL.storage_dtype)
+        assert st.load(list(range(1000, 1000 + 4 * bt)), out, tenant="a") == 0
+        assert st.load([*cached, *range(500, 500 + 2 * bt + 1)], out, tenant="a") == 2 * bt
+        st.lookup(cached, tenant="b")
+        st.store(cached, kv_for(cached), tenant="a")  # all cached: skipped
+        s = st.stats()
+        a = s["tenants"]["a"]
+        assert (a["loads"], a["hit_tokens"], a["miss_tokens"]) == (2, 2 * bt, 6 * bt)
+        assert s["store"]["token_hit_ratio"] == 0.25
+        assert a["skipped_blocks"] == 2 and s["tenants"]["b"]["lookups"] == 1
+
+
+def test_a_block_an_eviction_is_removing_is_a_miss_not_a_loss() -> None:
+    """A reader that finds a victim already deleted by its (uncommitted) eviction counts a
+    plain miss; the same block vanishing with no eviction is counted as lost."""
+    layout = SMALL
+    tiers = [HostTier(layout, 4 * layout.block_bytes), HostTier(layout, 4 * layout.block_bytes)]
+    dec = Decider(tiers, "lru", layout.block_tokens)
+    keys = [bytes([i]) * 32 for i in range(3)]
+    for k in keys:
+        dec.index.add_present([k], 1)
+    moves: list[Move] = []  # the last tier drops its victims: the move deletes, apply commits
+    dec.plan_eviction(1, [keys[0]], moves)
+    assert [m.dst for m in moves] == [None]
+    for k in keys:
+        reads = dec.readable_prefix(iter([k]), 1)
+        assert len(reads) == 1
+        dec.index.pin([k])
+        dec.finish_load(reads, [False], 0, "t")  # none of them is in the tier
+    # keys[0]: being evicted -> a miss; keys[1], keys[2]: listed present, unreadable -> lost
+    assert dec.counters.invalid_blocks == 2
 
 
 def st_keys(st: object, toks: list[int]) -> list[bytes]:
