@@ -47,11 +47,19 @@ class Plan:
     unplaced_bytes: int = 0
     wrong_formula_bytes: int = 0
     params: int = 0
+    #: the fewest GPUs (of this memory) whose HBM, less the reserve, holds the weights
+    min_tp_for_weights: int = 1
+
+    @property
+    def weights_fit(self) -> bool:
+        """The weights fit in the HBM left after the reserve (else there is no KV budget)."""
+        return self.tp >= self.min_tp_for_weights
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["layout"] = asdict(self.layout)
-        d["fits_in_hbm"] = self.spill_bytes == 0
+        d["weights_fit"] = self.weights_fit
+        d["fits_in_hbm"] = self.spill_bytes == 0 and self.weights_fit
         d["hbm_reserve_fraction"] = HBM_RESERVE_FRACTION
         return d
 
@@ -79,7 +87,8 @@ def make_plan(
     per_token = per_gpu * tp  # == the model's own figure unless heads are duplicated
     total = per_token * context_tokens * requests
     hbm = gpu_memory_bytes * tp
-    budget = max(0, int(hbm * (1 - HBM_RESERVE_FRACTION)) - weights_bytes)
+    usable_per_gpu = int(gpu_memory_bytes * (1 - HBM_RESERVE_FRACTION))
+    budget = max(0, usable_per_gpu * tp - weights_bytes)
     hbm_tokens = budget // per_token if per_token else 0
     per_request = per_token * context_tokens
     fit_requests = budget // per_request if per_request else requests
@@ -109,4 +118,5 @@ def make_plan(
         unplaced_bytes=left,
         wrong_formula_bytes=params * 2 * 2 * context_tokens * requests,
         params=params,
+        min_tp_for_weights=max(1, -(-weights_bytes // usable_per_gpu)) if usable_per_gpu else 1,
     )

@@ -164,3 +164,45 @@ def test_cli_needs_an_slo(tmp_path: Path, trace: Trace, capsys: pytest.CaptureFi
     write_trace(trace, path)
     assert main(["plan", "--trace", str(path), *SPACE]) == 2
     assert "--slo-ttft-p90" in capsys.readouterr().err
+
+
+def test_a_slo_only_the_policy_meets_is_found(trace: Trace) -> None:
+    """S3-FIFO beats the LRU estimate by more than the screening margin at every size here: the
+    screen widens instead of calling the SLO impossible (the largest size meets it)."""
+    hier, _ = space(trace, "s3fifo")
+    max_blocks = [103, 0, 0]  # one small first tier: the policies differ most
+    top, _ = sizing.exact_p90(trace, sizing.sized(hier, (103 * hier.block_bytes, 0, 0)))
+    prof = sizing.lru_profile(trace)
+    inp = np.array([r.input_length for r in trace.requests], dtype=np.int64)
+    lru_best = sizing._p90(sizing.estimate_hits(prof, (103, 0, 0)), inp, hier)
+    slo = top + (lru_best - top) / 4
+    assert slo * (1 + sizing.DEFAULT_MARGIN) < lru_best  # the first screen admits nothing
+    found = sizing.search(trace, hier, max_blocks, slo, points=6, margin=sizing.DEFAULT_MARGIN)
+    assert found.caps_bytes is not None and not found.exhausted
+    p90, _ = sizing.exact_p90(trace, sizing.sized(hier, found.caps_bytes))
+    assert p90 <= slo and found.caps_bytes[0] < 103 * hier.block_bytes
+
+
+def test_plan_rejects_a_slo_that_is_not_a_finite_number(
+    tmp_path: Path, trace: Trace, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "t.jsonl"
+    write_trace(trace, path)
+    for slo in ("nan", "inf", "-1"):
+        assert main(["plan", "--trace", str(path), "--slo-ttft-p90", slo, *SPACE]) == 2
+        assert "finite" in capsys.readouterr().err
+    assert (
+        main(["plan", "--trace", str(path), "--slo-ttft-p90", "1", "--screen-margin", "nan"]) == 2
+    )
+
+
+def test_plan_says_when_the_weights_do_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "Llama-3.1-70B", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["weights_fit"] is False and out["fits_in_hbm"] is False
+    assert out["min_tp_for_weights"] == 2
+    assert main(["plan", "--model", "Llama-3.1-70B", "--tp", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["weights_fit"] is True
+    assert main(["plan", "--model", "Llama-3.1-70B"]) == 0
+    assert "WEIGHTS DO NOT FIT" in capsys.readouterr().out

@@ -115,6 +115,15 @@ def run(args: argparse.Namespace) -> int:
         ("requests that fit in HBM", f"{plan.requests_fit_in_hbm:,} of {args.requests}"),
         ("spills below HBM", f"{plan.spill_bytes / GiB:,.2f} GiB"),
     ]
+    if not plan.weights_fit:
+        rows.insert(
+            6,
+            (
+                "WEIGHTS DO NOT FIT",
+                f"{plan.weights_bytes / GiB:,.2f} GiB > the HBM less the reserve; "
+                f"needs tp >= {plan.min_tp_for_weights}",
+            ),
+        )
     rows += [(f"  -> {k}", f"{v / GiB:,.2f} GiB") for k, v in plan.placement.items()]
     if plan.unplaced_bytes:
         rows.append(("  -> does not fit anywhere", f"{plan.unplaced_bytes / GiB:,.2f} GiB"))

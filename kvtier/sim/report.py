@@ -107,14 +107,15 @@ def summarize(trace: Trace, hier: Hierarchy, res: ReplayResult) -> dict[str, Any
     }
 
 
-def render(summary: dict[str, Any]) -> str:
-    """A readable table (rich) of ``summary``."""
+def render(summary: dict[str, Any], title: str = "kvtier simulate") -> str:
+    """A readable table (rich) of ``summary``, headed ``title: trace (n requests)``."""
     from io import StringIO
 
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"kvtier simulate: {summary['trace']} ({summary['requests']} requests)")
+    n = summary["requests"]
+    table = Table(title=f"{title}: {summary['trace']} ({n} request{'s' if n != 1 else ''})")
     for col in ("tier", "policy", "capacity", "blocks", "hit ratio", "read", "written", "$/month"):
         table.add_column(col, justify="right")
     for t in summary["tiers"]:

@@ -9,12 +9,18 @@ The search, in two stages:
    operations (:func:`estimate_hits`). A block is in the leading run at total capacity ``C`` iff
    the largest stack position of its chain up to it is ``< C``. This is exact for LRU except when
    a request is longer than the first tier (the replay keeps only its leading blocks).
-2. **Verify by replay.** Candidate sizes (a geometric grid per tier, 0 included below the first)
-   are walked cheapest first; one whose estimated p90 is within ``--screen-margin`` of the SLO is
-   replayed exactly with the chosen policy (``kvtier.sim.replay``) and priced
-   (``kvtier.sim.cost``); the first that meets the SLO is the answer, so the result always comes
-   from a real replay. The margin lets a policy better than LRU (the default) pass configurations
-   LRU would miss. A looser SLO admits a superset of candidates, so it never costs more.
+2. **Verify by replay.** The largest configuration is replayed first with the chosen policy
+   (``kvtier.sim.replay``). Then candidate sizes (a geometric grid per tier, 0 included below the
+   first) are walked cheapest first; one whose estimated p90 is within ``--screen-margin`` of the
+   SLO is replayed exactly and priced (``kvtier.sim.cost``); the first that meets the SLO is the
+   answer, so the result always comes from a real replay. The margin lets a policy better than LRU
+   (the default) pass configurations LRU would miss; when no admitted candidate meets the SLO but
+   the largest configuration does, the margin doubles (up to ``MAX_MARGIN``) and the walk goes on,
+   and the largest configuration is the answer of last resort. (A policy other than LRU is not
+   always better with more capacity, so a miss at the largest size does not end the walk.) A looser
+   SLO admits a superset of candidates, so it never costs more (exactly so for LRU, whose estimate
+   is exact and margin 0; for other policies the margins make it a strong tendency, not a
+   guarantee).
 
 Costs are ``capacity x $/GB/month`` per tier (GPU rental excluded); the tiers searched are HBM
 (at most what ``--gpus`` x ``--gpu-memory`` leave after weights and a 10% reserve), then
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +54,8 @@ from kvtier.sim.trace import Trace, read_trace
 NEVER = 1 << 62
 #: screening margin for policies other than LRU (their hits differ from the LRU estimate)
 DEFAULT_MARGIN = 0.01
+#: the screen widens (doubling) up to this margin while no admitted candidate meets the SLO
+MAX_MARGIN = 0.64
 I64 = npt.NDArray[np.int64]
 
 
@@ -142,14 +151,19 @@ def estimate_hits(prof: StackProfile, caps: tuple[int, ...]) -> npt.NDArray[np.f
 
 @dataclass(frozen=True, slots=True)
 class SizingResult:
-    """Outcome of :func:`search`: the chosen sizes (bytes, per tier; None if none met the SLO)."""
+    """Outcome of :func:`search`: the chosen sizes (bytes, per tier), or None if even the
+    largest configuration misses the SLO."""
 
     caps_bytes: tuple[int, ...] | None
     replays: int
     estimated: int
     candidates: int
-    best_p90_s: float  # exact p90 of the largest configuration when none met the SLO, else chosen
-    exhausted: bool = False  # stopped at the replay budget, cheaper ones may exist untried
+    best_p90_s: float  # exact p90 of the chosen sizes, or the lowest replayed when none met it
+    #: when none met the SLO: the sizes (bytes) that reached ``best_p90_s``
+    best_bytes: tuple[int, ...] = ()
+    #: the replay budget ran out: a cheaper configuration (or, when none met the SLO, one that
+    #: meets it) may exist untried; a feasible answer is then the largest configuration
+    exhausted: bool = False
 
 
 def _p90(hits: npt.NDArray[np.float64], inp: I64, hier: Hierarchy) -> float:
@@ -216,23 +230,44 @@ def search(
         configs.append((sum(c * p for c, p in zip(caps, price_gb, strict=True)), caps))
     configs.sort()
     inp = np.array([r.input_length for r in trace.requests], dtype=np.int64)
-    replays = estimated = 0
-    exhausted = False
-    for _, caps in configs:
-        estimated += 1
-        if _p90(estimate_hits(prof, caps), inp, hier) > slo_s * (1 + margin):
-            continue
-        if replays >= max_replays:
-            exhausted = True
+    top = tuple(max(g) for g in grids)
+    top_bytes = tuple(c * bb for c in top)
+    top_p90, _ = exact_p90(trace, sized(hier, top_bytes), hints)
+    replays = 1
+    best = (top_p90, top_bytes)  # the lowest p90 replayed
+    estimates: dict[tuple[int, ...], float] = {}
+    tried = {top}
+    m = margin
+    while True:  # walk cheapest first; widen the screen until some candidate meets the SLO
+        for _, caps in configs:
+            est = estimates.get(caps)
+            if est is None:
+                est = estimates[caps] = _p90(estimate_hits(prof, caps), inp, hier)
+            if est > slo_s * (1 + m) or caps in tried:
+                continue
+            if replays >= max_replays:
+                if top_p90 <= slo_s:
+                    return SizingResult(
+                        top_bytes, replays, len(estimates), len(configs), top_p90, exhausted=True
+                    )
+                return SizingResult(
+                    None, replays, len(estimates), len(configs), best[0], best[1], exhausted=True
+                )
+            replays += 1
+            tried.add(caps)
+            cb = tuple(c * bb for c in caps)
+            p90, _ = exact_p90(trace, sized(hier, cb), hints)
+            if p90 <= slo_s:
+                return SizingResult(cb, replays, len(estimates), len(configs), p90)
+            best = min(best, (p90, cb))
+        # widen only when the largest configuration shows the SLO can be met (the policy may
+        # beat the LRU estimate by more than the margin); else one walk is enough
+        if top_p90 > slo_s or m >= MAX_MARGIN:
             break
-        replays += 1
-        cb = tuple(c * bb for c in caps)
-        p90, _ = exact_p90(trace, sized(hier, cb), hints)
-        if p90 <= slo_s:
-            return SizingResult(cb, replays, estimated, len(configs), p90)
-    top = tuple(max(g) * bb for g in grids)
-    p90, _ = exact_p90(trace, sized(hier, top), hints)
-    return SizingResult(None, replays + 1, estimated, len(configs), p90, exhausted)
+        m = min(MAX_MARGIN, max(2 * m, DEFAULT_MARGIN))
+    if top_p90 <= slo_s:
+        return SizingResult(top_bytes, replays, len(estimates), len(configs), top_p90)
+    return SizingResult(None, replays, len(estimates), len(configs), best[0], best[1])
 
 
 def add_trace_arguments(p: argparse.ArgumentParser) -> None:
@@ -306,13 +341,19 @@ def run_trace_plan(args: argparse.Namespace) -> int:
     Exit status 0 when a configuration meets the SLO, 1 when none does (the output says so and
     gives the best p90 the largest configuration reaches).
     """
-    if args.slo_ttft_p90 is None or args.slo_ttft_p90 <= 0:
-        raise ConfigError("kvtier plan --trace needs --slo-ttft-p90 SECONDS (a positive number)")
+    slo_arg = args.slo_ttft_p90
+    if slo_arg is None or not math.isfinite(slo_arg) or slo_arg <= 0:
+        raise ConfigError(
+            "kvtier plan --trace needs --slo-ttft-p90 SECONDS (a positive, finite number), "
+            f"got {slo_arg}"
+        )
     margin = args.screen_margin
     if margin is None:
         margin = 0.0 if args.policy.lower() == "lru" else DEFAULT_MARGIN
-    if args.grid_points < 1 or args.max_replays < 1 or margin < 0:
-        raise ConfigError("--grid-points and --max-replays must be >= 1, --screen-margin >= 0")
+    if args.grid_points < 1 or args.max_replays < 1 or not 0 <= margin < math.inf:
+        raise ConfigError(
+            "--grid-points and --max-replays must be >= 1, --screen-margin a number >= 0"
+        )
     trace = read_trace(args.trace)
     hier, max_blocks, hbm_budget = search_space(args, trace)
     slo = float(args.slo_ttft_p90)
@@ -342,15 +383,27 @@ def run_trace_plan(args: argparse.Namespace) -> int:
             },
         }
     )
+
+    def sizes(caps_bytes: tuple[int, ...]) -> str:
+        return ", ".join(
+            f"{t.name}={c / 1e9:,.0f}GB" for t, c in zip(hier.tiers, caps_bytes, strict=True) if c
+        )
+
     if not feasible:
-        largest = ", ".join(f"{t.name}={t.capacity_bytes / 1e9:,.0f}GB" for t in hier.tiers)
+        best = f"the best of {found.replays} replayed ({sizes(found.best_bytes)}) reaches "
         summary["message"] = (
             f"no configuration found within {args.max_replays} replays meeting TTFT p90 <= "
-            f"{slo:g} s (raise --max-replays); the largest ({largest}) reaches "
-            f"{found.best_p90_s:.3f} s"
+            f"{slo:g} s (raise --max-replays); {best}{found.best_p90_s:.3f} s"
             if found.exhausted
-            else f"no configuration meets TTFT p90 <= {slo:g} s: even the largest ({largest}) "
-            f"reaches {found.best_p90_s:.3f} s"
+            else f"no configuration meets TTFT p90 <= {slo:g} s: {best}{found.best_p90_s:.3f} s"
+        )
+        summary["best_bytes"] = dict(
+            zip([t.name for t in hier.tiers], found.best_bytes, strict=True)
+        )
+    elif found.exhausted:
+        summary["message"] = (
+            f"the replay budget ({args.max_replays}) ran out before a cheaper configuration met "
+            f"TTFT p90 <= {slo:g} s: this is the largest ({sizes(caps)}); raise --max-replays"
         )
     if args.json:
         print(json.dumps(summary, indent=1))
@@ -361,5 +414,5 @@ def run_trace_plan(args: argparse.Namespace) -> int:
         )
         print(summary.get("message", head))
         if feasible:
-            print(render(summary))
+            print(render(summary, title="kvtier plan"))
     return 0 if feasible else 1
