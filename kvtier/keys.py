@@ -141,6 +141,12 @@ class TokenIds:
     def __len__(self) -> int:
         return self._n
 
+    def validate(self) -> None:
+        """Check every id now (``store`` does, so a bad id past the last full block -- which is
+        never keyed -- still raises instead of being ignored)."""
+        for start in range(0, self._n, 1 << 16):
+            self.chunk(start, min(self._n, start + (1 << 16)))
+
     def chunk(self, start: int, stop: int) -> bytes:
         """Canonical bytes (little-endian uint32) of ``tokens[start:stop]``, validated."""
         part = self._src[start:stop]
@@ -162,13 +168,18 @@ class TokenIds:
                 f"tokens must be 1-D (one sequence), got a nested element near {start}"
             )
         if arr.dtype.kind not in "iu":
-            raise TokenError(f"tokens must be integers, got {arr.dtype} near position {start}")
+            at = next((i for i, v in enumerate(part) if not isinstance(v, int | np.integer)), 0)
+            raise TokenError(
+                f"tokens must be integers, got {arr.dtype} ({part[at]!r} at position {start + at})"
+            )
         if arr.dtype != _TOKEN_DTYPE:
             lo, hi = int(arr.min()), int(arr.max())
             if lo < 0:
-                raise TokenError(f"token ids must be non-negative, found {lo}")
+                at = start + int(np.argmin(arr))
+                raise TokenError(f"token ids must be non-negative, found {lo} at position {at}")
             if hi >= 2**32:
-                raise TokenError(f"token ids must be < 2**32, found {hi}")
+                at = start + int(np.argmax(arr))
+                raise TokenError(f"token ids must be < 2**32, found {hi} at position {at}")
         return arr.astype(_TOKEN_DTYPE, copy=False).tobytes()
 
 

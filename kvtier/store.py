@@ -133,6 +133,7 @@ class TieredStore(ReadPath):
         """
         self._check_open()
         toks = TokenIds(tokens)
+        toks.validate()
         arr = host_array(kv, self.layout, "kv")
         if arr.shape[2] > len(toks):
             raise LayoutError(
