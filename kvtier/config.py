@@ -7,7 +7,7 @@ Example (``kvtier.toml``)::
     dtype = "bf16"
     block_tokens = 256
     tenant = "default"
-    policy = "lru"
+    policy = "s3fifo"           # the default; or "lru"
     workers = 2
     metrics_port = 0            # >0 serves Prometheus metrics on 127.0.0.1:<port>
 
@@ -22,11 +22,16 @@ Example (``kvtier.toml``)::
 
 Environment overrides: ``KVTIER_<KEY>`` sets ``store.<key>`` (``KVTIER_POLICY=lru``), and
 ``KVTIER_TIER<i>_<KEY>`` sets a key of the i-th tier (``KVTIER_TIER0_CAPACITY=4GiB``).
-Unknown keys and impossible values raise ``ConfigError`` saying what to change.
+Env values are text: numbers are read as numbers, booleans as 1/0, true/false, yes/no, on/off.
+``KVTIER_`` belongs to kvtier: an unknown ``KVTIER_<KEY>`` is an error, as is an unknown key, a
+value of the wrong type or out of range; the ``ConfigError`` names the key, the bad value and the
+env var or file it came from.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import re
 import tomllib
@@ -37,34 +42,30 @@ from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.layout import DEFAULT_BLOCK_TOKENS, KVLayout, canonical_dtype, preset
+from kvtier.policy import DEFAULT_POLICY, POLICIES
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
+# decimal (k, kb = 10**3, m, mb, ...) and binary (kib = 2**10, mib, ...) units, any case
+_UNITS = {"": 1, "b": 1} | {
+    name: base**power
+    for power, p in enumerate("kmgt", 1)
+    for name, base in ((p, 1000), (p + "b", 1000), (p + "ib", 1024))
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+_INT_RE = re.compile(r"^\s*[+-]?[0-9]+\s*$")
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
 
 
 def parse_size(value: str | int | float, what: str = "size") -> int:
     """``"8GiB"`` -> 8589934592, ``"80GB"`` -> 8e10, ``4096`` -> 4096. Raises ``ConfigError``."""
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ConfigError(f"{what}: expected a size like '8GiB', got {value!r}")
     if isinstance(value, int | float):
+        if not math.isfinite(value):
+            raise ConfigError(f"{what}: size must be a finite number, got {value!r}")
         n = int(value)
     else:
-        m = _SIZE_RE.match(str(value))
+        m = _SIZE_RE.match(value)
         if not m or m.group(2).lower() not in _UNITS:
             raise ConfigError(
                 f"{what}: cannot read size {value!r}; write e.g. 4096, '512MiB', '8GiB', '2TB'"
@@ -73,6 +74,49 @@ def parse_size(value: str | int | float, what: str = "size") -> int:
     if n < 0:
         raise ConfigError(f"{what}: size must not be negative, got {value!r}")
     return n
+
+
+def parse_int(value: object, what: str, lo: int = 0, hi: int | None = None) -> int:
+    """An integer in ``lo..hi``: a TOML integer, or decimal digits (an env var's text).
+
+    Raises ``ConfigError`` naming ``what`` for anything else: a bool, a fraction (never
+    truncated), a word, a value out of range (never clamped).
+    """
+    span = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    elif isinstance(value, str) and _INT_RE.match(value):
+        n = int(value)
+    else:
+        raise ConfigError(f"{what}: expected a whole number {span}, got {value!r}")
+    if n < lo or (hi is not None and n > hi):
+        raise ConfigError(f"{what}: must be {span}, got {value!r}")
+    return n
+
+
+def parse_float(value: object, what: str, lo: float = 0.0) -> float:
+    """A finite number ``>= lo``: a TOML number, or its text (an env var). ``ConfigError`` else."""
+    x = math.nan
+    if isinstance(value, int | float | str) and not isinstance(value, bool):
+        with contextlib.suppress(ValueError):
+            x = float(value)
+    if not math.isfinite(x) or x < lo:
+        raise ConfigError(f"{what}: expected a finite number >= {lo:g}, got {value!r}")
+    return x
+
+
+def parse_bool(value: object, what: str) -> bool:
+    """A TOML boolean, or (an env var's text) 1/0, true/false, yes/no, on/off in any case.
+
+    Anything else raises ``ConfigError``: a typo must not silently mean False.
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in _TRUE or word in _FALSE:
+            return word in _TRUE
+    raise ConfigError(f"{what}: expected true or false (or 1/0, yes/no, on/off), got {value!r}")
 
 
 def check_keys(section: str, given: Mapping[str, Any], allowed: set[str]) -> None:
@@ -85,24 +129,10 @@ def check_keys(section: str, given: Mapping[str, Any], allowed: set[str]) -> Non
         )
 
 
-_STORE_KEYS = {
-    "model",
-    "layers",
-    "kv_heads",
-    "head_dim",
-    "kv_factor",
-    "dtype",
-    "block_tokens",
-    "tenant",
-    "model_id",
-    "weights_version",
-    "share_group",
-    "secret",
-    "policy",
-    "workers",
-    "metrics_port",
-    "demote_queue",
-}
+_LAYOUT_KEYS = {"model", "dtype", "block_tokens", "layers", "kv_heads", "head_dim", "kv_factor"}
+_NAMESPACE_KEYS = {"tenant", "model_id", "weights_version", "share_group", "secret"}
+_ENGINE_KEYS = {"policy", "workers", "metrics_port", "demote_queue"}
+_STORE_KEYS = _LAYOUT_KEYS | _NAMESPACE_KEYS | _ENGINE_KEYS
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +145,7 @@ class StoreConfig:
     weights_version: str = ""
     share_group: str | None = None
     secret: bytes = field(default=b"", repr=False)
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     workers: int = 2
     metrics_port: int = 0
     demote_queue: int = 64
@@ -124,35 +154,46 @@ class StoreConfig:
     @staticmethod
     def from_dict(raw: Mapping[str, Any], env: Mapping[str, str] | None = None) -> StoreConfig:
         """Validate a config mapping (``{"store": {...}, "tiers": [...]}``) with env overrides."""
+        if not isinstance(raw, Mapping):
+            raise ConfigError(
+                f"a config is a table of [store] and [[tiers]], got {type(raw).__name__}"
+            )
         check_keys("top level", raw, {"store", "tiers"})
-        store = dict(raw.get("store", {}))
-        tiers = [dict(t) for t in raw.get("tiers", [])]
-        _apply_env(store, tiers, os.environ if env is None else env)
-        check_keys("store", store, _STORE_KEYS)
-        layout = _layout_from(store)
-        workers = int(store.get("workers", 2))
-        if workers < 1:
-            raise ConfigError(f"[store] workers must be >= 1, got {workers}")
-        demote_queue = int(store.get("demote_queue", 64))
-        if demote_queue < 1:
-            raise ConfigError(f"[store] demote_queue must be >= 1, got {demote_queue}")
+        store, tiers = raw.get("store", {}), raw.get("tiers", [])
+        if not isinstance(store, Mapping):
+            raise ConfigError(f"[store] must be a table (key = value lines), got {store!r}")
+        if not isinstance(tiers, list | tuple) or not all(isinstance(t, Mapping) for t in tiers):
+            raise ConfigError(
+                f'tiers must be an array of tables ([[tiers]] kind = "host"), got {tiers!r}'
+            )
+        s = _Section(dict(store))
+        tiers = [dict(t) for t in tiers]
+        _apply_env(s, tiers, os.environ if env is None else env)
+        check_keys("store", s.values, _STORE_KEYS)
         if not tiers:
             tiers = [{"kind": "host", "capacity": "1GiB"}]
         for i, t in enumerate(tiers):
-            if "kind" not in t:
-                raise ConfigError(f"[[tiers]] #{i} has no 'kind' (e.g. kind = \"host\")")
-        secret = store.get("secret", "")
+            if not isinstance(t.get("kind"), str):
+                raise ConfigError(
+                    f'[[tiers]] #{i} needs kind = "host" (a string), got {t.get("kind")!r}'
+                )
+        policy = s.text("policy", DEFAULT_POLICY)
+        if policy.lower() not in POLICIES:
+            raise ConfigError(
+                f"{s.what('policy')}: unknown policy {policy!r}; choose {', '.join(POLICIES)}"
+            )
+        group = s.text("share_group", "") if "share_group" in s.values else None
         return StoreConfig(
-            layout=layout,
-            tenant=str(store.get("tenant", "default")),
-            model_id=str(store.get("model_id", store.get("model", ""))),
-            weights_version=str(store.get("weights_version", "")),
-            share_group=store.get("share_group"),
-            secret=secret.encode() if isinstance(secret, str) else bytes(secret),
-            policy=str(store.get("policy", "lru")),
-            workers=workers,
-            metrics_port=int(store.get("metrics_port", 0)),
-            demote_queue=demote_queue,
+            layout=_layout_from(s),
+            tenant=s.text("tenant", "default"),
+            model_id=s.text("model_id", s.text("model", "", empty=True), empty=True),
+            weights_version=s.text("weights_version", "", empty=True),
+            share_group=group,
+            secret=_secret(s),
+            policy=policy,
+            workers=s.integer("workers", 2, 1, 1024),
+            metrics_port=s.integer("metrics_port", 0, 0, 65535),
+            demote_queue=s.integer("demote_queue", 64, 1),
             tiers=tuple(tiers),
         )
 
@@ -169,37 +210,84 @@ class StoreConfig:
 
     @staticmethod
     def from_file(path: str | Path, env: Mapping[str, str] | None = None) -> StoreConfig:
+        """``from_dict`` of a TOML file; every ``ConfigError`` names the file."""
         try:
-            raw = tomllib.loads(Path(path).read_text())
+            raw = tomllib.loads(Path(path).read_bytes().decode())
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start})") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-        return StoreConfig.from_dict(raw, env)
+        try:
+            return StoreConfig.from_dict(raw, env)
+        except ConfigError as exc:
+            raise ConfigError(f"config file {path}: {exc}") from None
 
 
-def _layout_from(store: Mapping[str, Any]) -> KVLayout:
-    dtype = canonical_dtype(str(store.get("dtype", "float16")))
-    block_tokens = int(store.get("block_tokens", DEFAULT_BLOCK_TOKENS))
-    if "model" in store and not any(k in store for k in ("layers", "kv_heads", "head_dim")):
-        return preset(str(store["model"])).layout(dtype, block_tokens)
-    missing = [k for k in ("layers", "kv_heads", "head_dim") if k not in store]
+class _Section:
+    """The ``[store]`` table being read; errors name the key, and the env var that set it."""
+
+    __slots__ = ("origin", "values")
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.values = values
+        self.origin: dict[str, str] = {}
+
+    def what(self, key: str) -> str:
+        src = self.origin.get(key)
+        return f"[store] {key}" + (f" (from {src})" if src else "")
+
+    def integer(self, key: str, default: int, lo: int, hi: int | None = None) -> int:
+        return (
+            parse_int(self.values[key], self.what(key), lo, hi) if key in self.values else default
+        )
+
+    def text(self, key: str, default: str, *, empty: bool = False) -> str:
+        value = self.values.get(key, default)
+        if not isinstance(value, str) or not (value or empty):
+            raise ConfigError(f"{self.what(key)}: expected a non-empty string, got {value!r}")
+        return value
+
+
+def _secret(s: _Section) -> bytes:
+    """The namespace secret: a non-empty string (or bytes, from a dict). Never echoed."""
+    value = s.values.get("secret")
+    if value is None:
+        return b""
+    if isinstance(value, str | bytes) and value:
+        return value.encode() if isinstance(value, str) else value
+    kind = "an empty string" if value == "" else type(value).__name__
+    raise ConfigError(
+        f"{s.what('secret')}: expected a non-empty string, got {kind}; omit it for none"
+    )
+
+
+def _layout_from(s: _Section) -> KVLayout:
+    dtype = canonical_dtype(s.text("dtype", "float16"))
+    block_tokens = s.integer("block_tokens", DEFAULT_BLOCK_TOKENS, 1)
+    shape = ("layers", "kv_heads", "head_dim")
+    if "model" in s.values and not any(k in s.values for k in shape):
+        if "kv_factor" in s.values:
+            raise ConfigError(
+                f"{s.what('kv_factor')}: a model preset sets it; give layers, "
+                "kv_heads, head_dim too, or drop it"
+            )
+        return preset(s.text("model", "")).layout(dtype, block_tokens)
+    missing = [k for k in shape if k not in s.values]
     if missing:
         raise ConfigError(
             f'[store] give a model preset (model = "Llama-3.1-8B") or all of layers, kv_heads, '
             f"head_dim; missing {', '.join(missing)}"
         )
-    return KVLayout(
-        int(store["layers"]),
-        int(store["kv_heads"]),
-        int(store["head_dim"]),
-        dtype,
-        int(store.get("kv_factor", 2)),
-        block_tokens,
-    )
+    layers, heads, dim = (s.integer(k, 0, 1) for k in shape)
+    return KVLayout(layers, heads, dim, dtype, s.integer("kv_factor", 2, 1, 2), block_tokens)
 
 
-def _apply_env(store: dict[str, Any], tiers: list[dict[str, Any]], env: Mapping[str, str]) -> None:
+def _apply_env(s: _Section, tiers: list[dict[str, Any]], env: Mapping[str, str]) -> None:
+    """Apply ``KVTIER_*`` overrides; kvtier owns the prefix, so an unknown name is an error."""
     tier_re = re.compile(r"^KVTIER_TIER(\d+)_(\w+)$")
     for name, value in env.items():
         if not name.startswith("KVTIER_"):
@@ -210,7 +298,12 @@ def _apply_env(store: dict[str, Any], tiers: list[dict[str, Any]], env: Mapping[
             if i >= len(tiers):
                 raise ConfigError(f"{name}: there is no tier #{i} (configured: {len(tiers)})")
             tiers[i][m.group(2).lower()] = value
-        else:
-            key = name.removeprefix("KVTIER_").lower()
-            if key in _STORE_KEYS:
-                store[key] = value
+            continue
+        key = name.removeprefix("KVTIER_").lower()
+        if key not in _STORE_KEYS:
+            raise ConfigError(
+                f"{name}: no store key {key!r}; KVTIER_<KEY> sets one of "
+                f"{', '.join(sorted(_STORE_KEYS))}, KVTIER_TIER<i>_<KEY> a key of tier i"
+            )
+        s.values[key] = value
+        s.origin[key] = name

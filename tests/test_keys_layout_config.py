@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import inspect
+import math
+import re
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pytest
 
-from kvtier.config import StoreConfig, parse_size
+from kvtier.config import StoreConfig, parse_bool, parse_int, parse_size
 from kvtier.errors import ConfigError, LayoutError, TokenError
 from kvtier.keys import Namespace, TokenIds, as_tokens, block_keys
 from kvtier.layout import KVLayout, canonical_dtype, load_presets, preset
 from kvtier.plan import make_plan
+from kvtier.policy import DEFAULT_POLICY
+from kvtier.store import TieredStore
 
 LAY = KVLayout(2, 2, 4, "fp16", block_tokens=4)
 
@@ -128,6 +136,173 @@ def test_config_validation_and_env_overrides() -> None:
         StoreConfig.from_dict({"store": {"layers": 2}}, env={})
     with pytest.raises(ConfigError, match="no tier #3"):
         StoreConfig.from_dict(raw, env={"KVTIER_TIER3_CAPACITY": "1"})
+
+
+STORE = {"layers": 2, "kv_heads": 2, "head_dim": 4, "block_tokens": 4}
+HOST = [{"kind": "host", "capacity": "1MiB"}]
+
+
+def cfg(**store: object) -> dict[str, Any]:
+    return {"store": {**STORE, **store}, "tiers": HOST}
+
+
+def test_config_policy_default_is_the_constructors() -> None:
+    """README: ``policy = "s3fifo"  # the default``, from a config file as from the constructor."""
+    assert StoreConfig.from_dict(cfg(), env={}).policy == DEFAULT_POLICY == "s3fifo"
+    assert inspect.signature(TieredStore).parameters["policy"].default == DEFAULT_POLICY
+
+
+def test_config_reads_env_strings_as_numbers_and_secrets() -> None:
+    env = {"KVTIER_WORKERS": "4", "KVTIER_METRICS_PORT": "0", "KVTIER_SECRET": "s3cret"}
+    c = StoreConfig.from_dict(cfg(share_group="g"), env=env)
+    assert (c.workers, c.metrics_port, c.secret, c.share_group) == (4, 0, b"s3cret", "g")
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("workers", "two"),
+        ("workers", 1.7),
+        ("workers", True),
+        ("workers", 0),
+        ("workers", 10**6),
+        ("demote_queue", "x"),
+        ("demote_queue", 0),
+        ("metrics_port", -1),
+        ("metrics_port", 99999),
+        ("metrics_port", "x"),
+        ("block_tokens", 2.9),
+        ("block_tokens", -4),
+        ("layers", "2x"),
+        ("layers", 0),
+        ("kv_heads", 2.5),
+        ("head_dim", [4]),
+        ("kv_factor", 3),
+        ("kv_factor", 1.0),
+        ("tenant", ""),
+        ("tenant", 5),
+        ("share_group", 7),
+        ("share_group", ""),
+        ("secret", 16),
+        ("secret", [1, 2]),
+        ("secret", ""),
+        ("policy", "fifo"),
+        ("policy", 3),
+        ("dtype", 16),
+        ("model_id", 3),
+    ],
+)
+def test_bad_store_values_name_the_key_and_value(key: str, value: object) -> None:
+    with pytest.raises(ConfigError) as exc:
+        StoreConfig.from_dict(cfg(**{key: value}), env={})
+    msg = str(exc.value)
+    assert key in msg
+    if key != "secret":  # a secret is never echoed
+        assert repr(value) in msg
+
+
+def test_a_preset_with_a_shape_key_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="kv_factor"):
+        StoreConfig.from_dict({"store": {"model": "Llama-3.1-8B", "kv_factor": 1}}, env={})
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("KVTIER_WORKERS", "two"),
+        ("KVTIER_WORKERS", "1.7"),
+        ("KVTIER_METRICS_PORT", "99999"),
+        ("KVTIER_POLICYY", "lru"),
+        ("KVTIER_TENANT", ""),
+    ],
+)
+def test_bad_env_overrides_name_the_variable(name: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=name):
+        StoreConfig.from_dict(cfg(), env={name: value})
+
+
+@pytest.mark.parametrize(
+    ("raw", "key"),
+    [
+        ({"store": "x"}, "store"),
+        ({"store": STORE, "tiers": ["host"]}, "tiers"),
+        ({"store": STORE, "tiers": {"kind": "host"}}, "tiers"),
+        ({"store": STORE, "tiers": [{"kind": 5}]}, "kind"),
+        ([("store", STORE)], "config"),
+    ],
+)
+def test_malformed_config_structure_is_a_config_error(raw: Any, key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        StoreConfig.from_dict(raw, env={})
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan, "inf", "nan"])
+def test_non_finite_sizes_are_config_errors(bad: object) -> None:
+    with pytest.raises(ConfigError, match="capacity"):
+        parse_size(bad, "capacity")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="capacity"):
+        TieredStore.from_config({"store": STORE, "tiers": [{"kind": "host", "capacity": bad}]})
+
+
+def test_unreadable_config_files_name_the_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=re.escape(str(tmp_path))):
+        StoreConfig.from_file(tmp_path, env={})  # a directory
+    binary = tmp_path / "bin.toml"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ConfigError, match=r"bin\.toml.*UTF-8"):
+        StoreConfig.from_file(binary, env={})
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[store]\nlayers = 2\nkv_heads = 2\nhead_dim = 4\nworkers = "two"\n')
+    with pytest.raises(ConfigError, match=r"bad\.toml.*workers.*'two'"):
+        StoreConfig.from_file(bad, env={})
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("1", True), ("0", False), ("TRUE", True), ("false", False), (" Yes ", True)]
+    + [("no", False), ("On", True), ("off", False), (True, True), (False, False)],
+)
+def test_parse_bool_accepts_toml_booleans_and_a_clear_set_of_words(
+    text: object, value: bool
+) -> None:
+    assert parse_bool(text, "x") is value
+
+
+@pytest.mark.parametrize("bad", ["ture", "", "2", "y", 1, 0, 1.0, None])
+def test_parse_bool_rejects_everything_else(bad: object) -> None:
+    with pytest.raises(ConfigError, match="warm_restart"):
+        parse_bool(bad, "warm_restart")
+
+
+def test_parse_int_range_and_types() -> None:
+    assert parse_int(" 8 ", "n", 1, 8) == 8 and parse_int(-2, "n", -5) == -2
+    for bad in (9, 0, "1e3", "0x10", "1_0", 2.0, False, None):
+        with pytest.raises(ConfigError, match=r"^n: "):
+            parse_int(bad, "n", 1, 8)
+
+
+@pytest.mark.parametrize(
+    ("module", "spec", "key"),
+    [
+        ("redis", {"tls": "ture"}, "tls"),
+        ("redis", {"tls_verify": "nope"}, "tls_verify"),
+        ("redis", {"ttl": 1.5}, "ttl"),
+        ("redis", {"timeout": "fast"}, "timeout"),
+        ("redis", {"cooldown": "nan"}, "cooldown"),
+        ("s3", {"bucket": "b", "create_bucket": "ture"}, "create_bucket"),
+        ("s3", {"bucket": "b", "workers": "two"}, "workers"),
+        ("s3", {"bucket": "b", "ttl_days": 2.5}, "ttl_days"),
+        ("s3", {"bucket": "b", "timeout": "x"}, "timeout"),
+        ("mooncake", {"master": "h:1", "replicas": "two"}, "replicas"),
+        ("mooncake", {"master": "h:1", "rpc_timeout_s": "inf"}, "rpc_timeout_s"),
+    ],
+)
+def test_bad_remote_tier_values_name_the_key(module: str, spec: dict[str, Any], key: str) -> None:
+    from kvtier.tiers.registry import make_tier
+
+    pytest.importorskip({"s3": "boto3"}.get(module, module))
+    with pytest.raises(ConfigError, match=key):
+        make_tier(LAY, {"kind": module, **spec}).close()
 
 
 def test_plan_uses_the_kv_formula_not_parameter_count() -> None:

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from kvtier import codec
-from kvtier.config import parse_size
+from kvtier.config import parse_float, parse_int, parse_size
 from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
@@ -168,9 +168,9 @@ class MooncakeTier(RemoteTier):
             segment_size=parse_size(spec.get("segment_size", "1GiB"), f"{section} segment_size"),
             buffer_size=parse_size(spec.get("buffer_size", "64MiB"), f"{section} buffer_size"),
             prefix=str(spec.get("prefix", "kvtier")),
-            replicas=int(spec.get("replicas", 1)),
-            cooldown_s=float(spec.get("cooldown_s", 5.0)),
-            rpc_timeout_s=float(spec.get("rpc_timeout_s", 5.0)),
+            replicas=parse_int(spec.get("replicas", 1), f"{section} replicas", 1),
+            cooldown_s=parse_float(spec.get("cooldown_s", 5.0), f"{section} cooldown_s"),
+            rpc_timeout_s=parse_float(spec.get("rpc_timeout_s", 5.0), f"{section} rpc_timeout_s"),
             sealer=sealer,
             quotas=quotas,
         )

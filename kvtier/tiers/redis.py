@@ -54,7 +54,7 @@ from redis.backoff import NoBackoff
 from redis.connection import Connection, PythonRespSerializer, SSLConnection, parse_url
 from redis.retry import Retry
 
-from kvtier.config import parse_size
+from kvtier.config import parse_bool, parse_float, parse_int, parse_size
 from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
@@ -214,6 +214,12 @@ class RedisTier(RemoteTier):
         tier_keys = {"prefix", "hash_tag", "ttl", "cooldown", "batch_bytes"}
         sealer, quotas = cls.security_section(layout, spec, "tiers.redis", opt_keys | tier_keys)
         opts = {k: spec[k] for k in opt_keys if k in spec}
+        for k in ("tls", "tls_verify"):
+            if k in opts:
+                opts[k] = parse_bool(opts[k], f"tiers.redis {k}")
+        for k in ("timeout", "connect_timeout"):
+            if k in opts:
+                opts[k] = parse_float(opts[k], f"tiers.redis {k}")
         if "cluster" in opts:
             if not isinstance(opts["cluster"], list | tuple):
                 raise ConfigError("tiers.redis cluster must be a list of 'host:port' strings")
@@ -223,8 +229,8 @@ class RedisTier(RemoteTier):
             RedisOptions(**opts),
             prefix=str(spec.get("prefix", "kvtier")),
             hash_tag=spec.get("hash_tag", "tenant"),
-            ttl_s=int(spec.get("ttl", 0)),
-            cooldown_s=float(spec.get("cooldown", 5.0)),
+            ttl_s=parse_int(spec.get("ttl", 0), "tiers.redis ttl"),
+            cooldown_s=parse_float(spec.get("cooldown", 5.0), "tiers.redis cooldown"),
             batch_bytes=parse_size(spec.get("batch_bytes", "256MiB"), "tiers.redis batch_bytes"),
             sealer=sealer,
             quotas=quotas,

@@ -56,7 +56,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, IncompleteReadError
 
 from kvtier import codec
-from kvtier.config import parse_size
+from kvtier.config import parse_bool, parse_float, parse_int, parse_size
 from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
@@ -204,19 +204,24 @@ class S3Tier(RemoteTier):
             "cooldown",
         }
         sealer, quotas = cls.security_section(layout, spec, "tiers.s3", opt_keys | tier_keys)
+        opts = {k: spec[k] for k in opt_keys if k in spec}
+        if "timeout" in opts:
+            opts["timeout"] = parse_float(opts["timeout"], "tiers.s3 timeout")
+        if "workers" in opts:
+            opts["workers"] = parse_int(opts["workers"], "tiers.s3 workers", 1, 1024)
         return cls(
             layout,
-            S3Options(**{k: spec[k] for k in opt_keys if k in spec}),
+            S3Options(**opts),
             prefix=str(spec.get("prefix", "kvtier")),
-            create_bucket=bool(spec.get("create_bucket", False)),
-            ttl_days=int(spec.get("ttl_days", 0)),
+            create_bucket=parse_bool(spec.get("create_bucket", False), "tiers.s3 create_bucket"),
+            ttl_days=parse_int(spec.get("ttl_days", 0), "tiers.s3 ttl_days"),
             multipart_threshold=parse_size(
                 spec.get("multipart_threshold", "16MiB"), "tiers.s3 multipart_threshold"
             ),
             multipart_chunk=parse_size(
                 spec.get("multipart_chunk", "8MiB"), "tiers.s3 multipart_chunk"
             ),
-            cooldown_s=float(spec.get("cooldown", 10.0)),
+            cooldown_s=parse_float(spec.get("cooldown", 10.0), "tiers.s3 cooldown"),
             sealer=sealer,
             quotas=quotas,
         )
