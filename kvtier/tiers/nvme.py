@@ -15,11 +15,19 @@ restart, the default) rebuilds the key map from the persisted index in well unde
 100k blocks; ``warm_restart=False`` starts empty. Every read verifies the slot header and the
 payload checksum, so a torn, stale or foreign slot is a miss and is dropped.
 
-Faults (ENOSPC, EIO, EACCES, the directory removed underneath) mark that directory degraded:
-one error log line, its blocks become misses, puts go to the remaining directories, and
-``healthy`` turns False. The state is sticky for the life of the tier (reopen to retry). Only
-caller mistakes raise (``LayoutError``, ``ConfigError``, and ``TierLockedError`` when another
-process owns a directory).
+Faults. A directory that cannot be opened (a regular file, under one, not writable, too small
+for its slot file, an I/O error) is a configuration mistake: the constructor raises
+``ConfigError`` naming it and the reason, after releasing what it opened and removing what it
+created. After a successful open nothing raises. A full disk (ENOSPC or EDQUOT from the index
+journal, a snapshot or the slot file) is not a fault: the put that hit it is reported False,
+one warning line, and that directory refuses puts (``healthy`` False) while every block it
+already holds stays readable; every ``FULL_RETRY_S`` seconds puts may try again, and the first
+one that is journaled makes it take puts again. A snapshot that does not fit on close leaves
+the previous one and the journal, so a reopen recovers everything. Any other fault (EIO,
+EACCES, the directory removed underneath) marks that directory degraded: one error log line,
+its blocks become misses, puts go to the remaining directories, and ``healthy`` turns False,
+sticky for the life of the tier (reopen to retry). Caller mistakes raise (``LayoutError``,
+``ConfigError``, and ``TierLockedError`` when another process owns a directory).
 
 Thread-safety: all data methods may be called concurrently; ``close`` must not race them.
 
@@ -32,7 +40,7 @@ from __future__ import annotations
 import logging
 import mmap
 import queue
-import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -47,12 +55,13 @@ from kvtier.errors import ConfigError, LayoutError
 from kvtier.keys import BlockKey, key_hex
 from kvtier.layout import KVLayout
 from kvtier.tiers.base import Array
-from kvtier.tiers.nvme_device import Device, ODirectMode
+from kvtier.tiers.nvme_device import FULL_RETRY_S, Device, ODirectMode
 from kvtier.tiers.nvme_index import (
     ALIGN,
     DirIndex,
     DirMeta,
     SlotIO,
+    is_full,
     slot_bytes_for,
 )
 from kvtier.tiers.slots import SlotTable, SlotTier
@@ -116,7 +125,6 @@ class NVMeTier(SlotTier):
         self._io = io or SlotIO()
         self._fp = layout.fingerprint
         self._closed = False
-        self._fail_lock = threading.Lock()
         nd = len(paths)
         self._devs = [Device(d, Path(p), len(range(d, n, nd))) for d, p in enumerate(paths)]
         self._table = SlotTable(n)
@@ -136,25 +144,18 @@ class NVMeTier(SlotTier):
         try:
             restored: dict[BlockKey, int] = {}
             for dev in self._devs:
-                try:
-                    dev.open(meta, warm_restart, o_direct, self._io)
-                except OSError as exc:
-                    self._fail(dev, "open", exc)
-                if dev.dindex is not None:
-                    for local, (key, csum) in dev.dindex.entries.items():
-                        g = local * nd + dev.index
-                        restored[BlockKey(key)] = g
-                        self._checksums[g] = csum
+                dev.open(meta, warm_restart, o_direct, self._io)
+                for local, (key, csum) in self._index(dev).entries.items():
+                    g = local * nd + dev.index
+                    restored[BlockKey(key)] = g
+                    self._checksums[g] = csum
             self._table.restore(restored)
         except BaseException:
             self.close()
             raise
-        buffered = [str(d.path) for d in self._devs if not d.direct and not d.failed]
+        buffered = [str(d.path) for d in self._devs if not d.direct]
         if buffered and o_direct == "auto":
             log.warning("nvme tier: O_DIRECT unsupported on %s; using buffered I/O", buffered)
-        for dev in self._devs:
-            if dev.failed:
-                self._table.purge(self._on(dev))
 
     @classmethod
     def from_config(cls, layout: KVLayout, spec: Mapping[str, Any]) -> NVMeTier:
@@ -186,7 +187,9 @@ class NVMeTier(SlotTier):
     # -- queries -----------------------------------------------------------------------------
     @property
     def healthy(self) -> bool:
-        return not any(d.failed for d in self._devs)
+        """False while a directory is degraded or full (and not yet due to retry)."""
+        now = time.monotonic()
+        return all(d.accepting(now) for d in self._devs)
 
     @property
     def o_direct(self) -> bool:
@@ -198,38 +201,48 @@ class NVMeTier(SlotTier):
         self, keys: Sequence[BlockKey], blocks: Sequence[Array], tenant: str = ""
     ) -> list[bool]:
         self.check_buffers(blocks, keys)
+        now = time.monotonic()
+        for dev in self._devs:  # a full directory due to retry gets its parked slots back
+            self._table.restock(dev.unpark(now))
         result = [False] * len(keys)
         jobs: list[_Job] = []
         for i, (key, block) in enumerate(zip(keys, blocks, strict=True)):
-            slot = self._table.reserve(key)
+            slot = self._reserve(key)
             if slot == -1:
                 result[i] = True
             elif slot is not None:
-                if self._dev(slot).failed:
-                    self._table.retire(key, slot)
-                else:
-                    jobs.append(_Job(i, key, block, slot, self._dev(slot)))
+                jobs.append(_Job(i, key, block, slot, self._dev(slot)))
         if not jobs:
             return result
         try:
-            for dev in self._ready(jobs):
-                self._guard(dev, "journal sync", self._index(dev).sync_dels)
-            sums = self._run([partial(self._write_one, j) for j in jobs])
-            done = [(j, s) for j, s in zip(jobs, sums, strict=True) if s is not None]
+            # a slot freed since the last sync is overwritten only once its DEL is durable
+            ready = {
+                d.index
+                for d in self._ready(jobs)
+                if self._guard(d, "journal sync", self._index(d).sync_dels)
+            }
+            jobs_ready = [j for j in jobs if j.dev.index in ready]
+            sums = self._run([partial(self._write_one, j) for j in jobs_ready])
+            done = [(j, s) for j, s in zip(jobs_ready, sums, strict=True) if s is not None]
             devs = list({j.dev.index: j.dev for j, _ in done}.values())
-            self._run(
+            synced = self._run(
                 [
                     partial(self._guard, d, "fdatasync", partial(self._io.fdatasync, d.fd))
                     for d in devs
                 ]
             )
             nd = len(self._devs)
-            for dev in devs:
+            recorded = set()
+            for dev, ok in zip(devs, synced, strict=True):
                 items = [(j.slot // nd, bytes(j.key), s) for j, s in done if j.dev is dev]
-                if not dev.failed:
-                    self._guard(dev, "index write", partial(self._index(dev).record_put, items))
+                record = partial(self._index(dev).record_put, items)
+                if ok and not dev.failed and self._guard(dev, "index write", record):
+                    recorded.add(dev.index)
+                    if dev.full:
+                        log.warning("nvme tier: %s has room again; taking puts", dev.path)
+                        self._table.restock(dev.clear_full())
             for j, s in done:
-                if not j.dev.failed:
+                if j.dev.index in recorded:
                     self._checksums[j.slot] = s
                     self._table.publish(j.key, j.slot)
                     result[j.i] = True
@@ -329,6 +342,15 @@ class NVMeTier(SlotTier):
     def _dev(self, slot: int) -> Device:
         return self._devs[slot % len(self._devs)]
 
+    def _reserve(self, key: BlockKey) -> int | None:
+        """A slot for ``key`` on a directory that takes puts; -1 if ``key`` is present or being
+        written; None if there is none. Slots of a full or failed directory are set aside."""
+        while True:
+            slot = self._table.reserve(key)
+            if slot is None or slot < 0 or not self._dev(slot).park(slot):
+                return slot
+            self._table.retire(key, slot)
+
     def _on(self, dev: Device) -> Callable[[int], bool]:
         nd, d = len(self._devs), dev.index
         return lambda s: s % nd == d
@@ -351,19 +373,31 @@ class NVMeTier(SlotTier):
         return [d for d in devs if not d.failed and self._guard(d, "stat", d.check_linked)]
 
     def _guard(self, dev: Device, what: str, fn: Callable[[], object]) -> bool:
-        """Run ``fn``; on ``OSError`` mark ``dev`` failed and return False."""
+        """Run ``fn``; on ``OSError`` mark ``dev`` full or failed and return False."""
         try:
             fn()
             return True
         except OSError as exc:
-            self._fail(dev, what, exc)
+            self._fault(dev, what, exc)
             return False
 
+    def _fault(self, dev: Device, what: str, exc: OSError) -> None:
+        """Out of space: ``dev`` refuses puts for a while, keeping its blocks; else it fails."""
+        if not is_full(exc):
+            self._fail(dev, what, exc)
+        elif dev.set_full(f"{what}: {exc}"):
+            log.warning(
+                "nvme tier: %s is out of space (%s: %s); refusing puts there, retrying every "
+                "%gs; the blocks it holds stay readable",
+                dev.path,
+                what,
+                exc,
+                FULL_RETRY_S,
+            )
+
     def _fail(self, dev: Device, what: str, exc: OSError) -> None:
-        with self._fail_lock:
-            if dev.failed:
-                return
-            dev.failed = f"{what}: {exc}"
+        if not dev.set_failed(f"{what}: {exc}"):
+            return
         log.error(
             "nvme tier: %s degraded after %s error (%s); its blocks are now misses",
             dev.path,
@@ -384,7 +418,7 @@ class NVMeTier(SlotTier):
             self._io.pwrite(job.dev.fd, buf.mv, (job.slot // len(self._devs)) * self.slot_bytes)
             return csum
         except OSError as exc:
-            self._fail(job.dev, "write", exc)
+            self._fault(job.dev, "write", exc)
             return None
         finally:
             self._staging.put(buf)

@@ -1,30 +1,54 @@
-"""The directories of an NVMe tier: opening one (lock, meta, preallocation, O_DIRECT probe,
-index), noticing it vanish, closing it; and the slot table striped over them.
+"""The directories of an NVMe tier: opening one (lock, preallocation, O_DIRECT probe, index,
+meta), its state (healthy, full, failed), noticing it vanish, closing it.
 
 Global slot ``g`` lives in directory ``g % D`` at local slot ``g // D``.
+
+A directory that cannot be opened is a configuration problem: ``open`` raises ``ConfigError``
+naming it and the reason, and leaves nothing behind. After a successful open, a full disk
+(ENOSPC, EDQUOT) makes the directory *full*: it refuses puts, keeps serving what it holds, and
+lets puts try again every ``FULL_RETRY_S`` seconds; any other fault makes it *failed* for good.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
 import os
-from dataclasses import dataclass, replace
+import threading
+import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
 from kvtier.errors import ConfigError
-from kvtier.tiers.nvme_index import SLOTS_FILE, DirIndex, DirMeta, SlotIO, lock_directory
+from kvtier.tiers.nvme_index import (
+    JOURNAL_FILE,
+    LOCK_FILE,
+    META_FILE,
+    SLOTS_FILE,
+    SNAP_FILE,
+    DirIndex,
+    DirMeta,
+    SlotIO,
+    index_reserve,
+    is_full,
+    lock_directory,
+)
 
 log = logging.getLogger(__name__)
 
 ODirectMode = Literal["auto", "always", "never"]
+FULL_RETRY_S = 5.0  # how long a full directory refuses puts before it lets them try again
+_OURS = (SLOTS_FILE, META_FILE, JOURNAL_FILE, SNAP_FILE, LOCK_FILE)
 
 
 @dataclass(slots=True)
 class Device:
-    """One directory of the tier. ``failed`` holds the reason once it is degraded."""
+    """One directory of the tier. ``failed`` holds the reason once it is degraded (sticky);
+    ``full`` the reason while it is out of space, with slots handed out for it ``parked``.
+    The state methods are thread-safe."""
 
     index: int
     path: Path
@@ -34,32 +58,149 @@ class Device:
     dindex: DirIndex | None = None
     direct: bool = False
     failed: str = ""
+    full: str = ""
+    full_at: float = 0.0  # time.monotonic() of the last out-of-space error
+    parked: list[int] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    # -- state ---------------------------------------------------------------------------------
+    def accepting(self, now: float) -> bool:
+        """Not failed, and not full or its retry time has come."""
+        return not self.failed and (not self.full or now - self.full_at >= FULL_RETRY_S)
+
+    def park(self, slot: int) -> bool:
+        """Keep ``slot`` (just reserved, then retired) off the free list while this directory
+        refuses puts; False if it takes puts now (use the slot)."""
+        if not self.full and not self.failed:
+            return False  # the common case, without the lock
+        with self._lock:
+            if self.accepting(time.monotonic()):
+                return False
+            if not self.failed:
+                self.parked.append(slot)
+            return True
+
+    def unpark(self, now: float, force: bool = False) -> list[int]:
+        """The parked slots, now free again, if this directory takes puts (or ``force``)."""
+        if not self.parked:
+            return []
+        with self._lock:
+            if not (force or self.accepting(now)):
+                return []
+            slots, self.parked = self.parked, []
+            return slots
+
+    def set_full(self, reason: str) -> bool:
+        """Mark the directory out of space; True if it was not already."""
+        with self._lock:
+            first = not self.full and not self.failed
+            self.full, self.full_at = reason, time.monotonic()
+            return first
+
+    def clear_full(self) -> list[int]:
+        """Space again: take puts; return the parked slots to free."""
+        with self._lock:
+            self.full = ""
+        return self.unpark(0.0, force=True)
+
+    def set_failed(self, reason: str) -> bool:
+        """Mark the directory degraded for good; True if it was not already."""
+        with self._lock:
+            if self.failed:
+                return False
+            self.failed, self.parked = reason, []
+            return True
+
+    # -- files ---------------------------------------------------------------------------------
     def open(self, meta: DirMeta, warm: bool, o_direct: ODirectMode, io: SlotIO) -> None:
-        """Lock, describe, preallocate and open the directory and load (or reset) its index.
+        """Lock, preallocate and open the directory, load (or reset) its index, describe it.
 
         ``meta`` describes the tier (its ``n_slots`` is replaced by this directory's). Raises
-        ``OSError`` on I/O faults, ``TierLockedError`` if another process owns the directory,
-        ``ConfigError`` if ``o_direct='always'`` cannot be honoured.
+        ``ConfigError`` naming the directory and the reason if it cannot be used (not a
+        directory, no permission, not enough free space for the slot file, an I/O error) or if
+        ``o_direct='always'`` cannot be honoured, and ``TierLockedError`` if another process owns
+        it; either way it first closes what it opened and removes what it created.
         """
-        meta = replace(meta, n_slots=self.n_slots)
-        self.path.mkdir(parents=True, exist_ok=True)
-        self.lock_fd = lock_directory(self.path)
+        made = _missing(self.path)
+        before: int | None = None  # the slot file's size before this open (-1: absent)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self.lock_fd = lock_directory(self.path)
+            before = _size(self.path / SLOTS_FILE)
+            self._open(replace(meta, n_slots=self.n_slots), warm, o_direct, io)
+        except BaseException as exc:
+            self._abandon(made, before)
+            if isinstance(exc, OSError):
+                raise ConfigError(
+                    f"nvme tier directory {self.path} cannot be used: {_why(exc)}; "
+                    f"fix the directory or choose another one in tiers.nvme paths"
+                ) from None
+            raise
+
+    def _open(self, meta: DirMeta, warm: bool, o_direct: ODirectMode, io: SlotIO) -> None:
         old = DirMeta.read(self.path)
         if warm and old is not None and not old.compatible(meta):
             log.warning(
                 "nvme tier: %s holds blocks of another layout; starting it empty", self.path
             )
         fresh = not warm or old is None or not old.compatible(meta)
-        meta.write(self.path)
         path = str(self.path / SLOTS_FILE)
         fd = io.open(path, os.O_RDWR | os.O_CREAT)
         try:
-            io.allocate(fd, self.n_slots * meta.slot_bytes)
+            self._allocate(fd, meta.slot_bytes, io)
         finally:
             os.close(fd)
         self.fd, self.direct = _open_slots(path, o_direct, io)
         self.dindex = DirIndex(self.path, self.n_slots, io, fresh=fresh)
+        if old != meta:  # last: a reopen on a full disk rewrites nothing
+            meta.write(self.path)
+
+    def _allocate(self, fd: int, slot_bytes: int, io: SlotIO) -> None:
+        """Preallocate the slot file, refusing up front what the filesystem cannot hold."""
+        size = self.n_slots * slot_bytes
+        grow = size - os.fstat(fd).st_blocks * 512
+        try:
+            if grow > 0:
+                st = os.statvfs(self.path)
+                if grow + index_reserve(self.n_slots) > st.f_bavail * st.f_frsize:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            io.allocate(fd, size)
+        except OSError as exc:
+            if not is_full(exc):
+                raise
+            st = os.statvfs(self.path)
+            raise ConfigError(
+                f"nvme tier directory {self.path} cannot hold its {self.n_slots} slots: they "
+                f"need {size} bytes (plus {index_reserve(self.n_slots)} for the index) but the "
+                f"filesystem has {st.f_bavail * st.f_frsize} bytes free ({exc.strerror}); "
+                f"lower tiers.nvme capacity or free space"
+            ) from None
+
+    def _abandon(self, made: list[Path], before: int | None) -> None:
+        """Undo a failed ``open``: close everything, remove what it created, shrink back the
+        slot file it grew."""
+        if self.dindex is not None:
+            with contextlib.suppress(OSError):
+                self.dindex.close(compact=False)
+            self.dindex = None
+        if self.fd >= 0:
+            os.close(self.fd)
+        slots = self.path / SLOTS_FILE
+        with contextlib.suppress(OSError):
+            if self.lock_fd >= 0:  # only the lock holder may touch the files
+                if made:  # the directory is ours
+                    for name in _OURS:
+                        for p in (self.path / name, self.path / f"{name}.tmp"):
+                            p.unlink(missing_ok=True)
+                elif before == -1:
+                    slots.unlink(missing_ok=True)
+                elif before is not None and _size(slots) > before:
+                    os.truncate(slots, before)
+            for d in made:
+                d.rmdir()  # fails, harmlessly, on a directory someone else filled meanwhile
+        if self.lock_fd >= 0:
+            os.close(self.lock_fd)
+        self.fd = self.lock_fd = -1
 
     def check_linked(self) -> None:
         """Raise ``OSError`` if the slot file (or its directory) was removed underneath us."""
@@ -72,12 +213,52 @@ class Device:
             try:
                 self.dindex.close(compact=not self.failed)
             except OSError as exc:
-                log.error("nvme tier: %s: could not save the index on close (%s)", self.path, exc)
+                if is_full(exc):
+                    log.warning(
+                        "nvme tier: %s: no room for an index snapshot on close (%s); "
+                        "the previous snapshot and the journal still hold it",
+                        self.path,
+                        exc,
+                    )
+                else:
+                    log.error(
+                        "nvme tier: %s: could not save the index on close (%s)", self.path, exc
+                    )
             self.dindex = None
         for fd in (self.fd, self.lock_fd):
             if fd >= 0:
                 os.close(fd)
         self.fd = self.lock_fd = -1
+
+
+def _missing(path: Path) -> list[Path]:
+    """``path`` and its ancestors that do not exist yet, deepest first."""
+    made = []
+    while not os.path.lexists(path) and path != path.parent:
+        made.append(path)
+        path = path.parent
+    return made
+
+
+def _size(path: Path) -> int:
+    """The size of the file at ``path``; -1 if there is none."""
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return -1
+
+
+def _why(exc: OSError) -> str:
+    """The reason an open failed, in the user's terms."""
+    if exc.errno == errno.EEXIST:
+        return "it exists and is not a directory"
+    if exc.errno == errno.ENOTDIR:
+        return f"part of the path is not a directory ({exc.strerror})"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return f"permission denied on {exc.filename or 'it'} (run as a user who may write it)"
+    if exc.errno == errno.EROFS:
+        return "it is on a read-only filesystem"
+    return f"{exc.strerror or exc} ({exc.filename})" if exc.filename else str(exc)
 
 
 def _open_slots(path: str, o_direct: ODirectMode, io: SlotIO) -> tuple[int, bool]:

@@ -19,7 +19,12 @@ Crash safety is an ordering rule, not a recovery procedure:
    journal records of an older generation are ignored, so a crash between writing the snapshot
    and truncating the journal replays nothing twice.
 
-A torn or unparsable journal record (a crash mid-append) fails its own checksum and is skipped.
+A torn or unparsable journal record (a crash mid-append) fails its own checksum and is skipped;
+a partial record at the end is cut off at open, and an append that fails (a full disk) is cut
+back to the last whole record, so records always stay 64-byte aligned and a torn one never hides
+the valid ones written after it. A full disk only ever costs the records that could not be
+written: a snapshot that does not fit leaves the previous snapshot and the journal in place (and
+no ``.tmp`` behind), and DELs that do not fit stay pending until the next append.
 Whatever the index says, a read still verifies the slot header (key, layout) and the payload
 checksum, so a damaged medium yields a miss, never wrong bytes.
 
@@ -29,6 +34,7 @@ the slot count, so 100k blocks reopen in well under a second.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -73,6 +79,23 @@ _SNAP_HEAD = struct.Struct("<4sIIQ")  # magic, version, generation, count
 _SNAP_MAGIC = b"KVTS"
 
 Entry = tuple[bytes, int]  # (key, payload checksum)
+
+
+def is_full(exc: OSError) -> bool:
+    """True for "out of space" (ENOSPC, EDQUOT): a full disk, not a broken one."""
+    return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def index_reserve(n_slots: int) -> int:
+    """Bytes the index of ``n_slots`` slots may need next to the slot file: a bounded journal
+    plus a snapshot and its temp file while it is replaced."""
+    return _journal_limit(n_slots) * REC_BYTES + 2 * (
+        _SNAP_HEAD.size + 8 + n_slots * SNAP_DTYPE.itemsize
+    )
+
+
+def _journal_limit(n_slots: int) -> int:
+    return max(4096, n_slots)
 
 
 def slot_bytes_for(block_bytes: int) -> int:
@@ -156,11 +179,16 @@ def atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        SlotIO().append(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            SlotIO().append(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)  # the old file stays valid; leave no partial temp
+        raise
     dfd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dfd)
@@ -188,16 +216,22 @@ def lock_directory(directory: Path) -> int:
     except BaseException:
         os.close(fd)
         raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:  # the PID is for the error message above; a full disk must not stop a reopen
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as exc:
+        if not is_full(exc):
+            os.close(fd)
+            raise
     return fd
 
 
 class DirIndex:
     """The persisted slot -> (key, checksum) map of one directory (snapshot + journal).
 
-    ``entries`` mirrors what the files say. Methods raise ``OSError`` on I/O failure.
-    Thread-safe: every method runs under one lock.
+    ``entries`` is what the files say, with any DELs the journal could not take yet (a full
+    disk) already applied. Methods raise ``OSError`` on I/O failure; a failed update leaves the
+    journal as it was. Thread-safe: every method runs under one lock.
     """
 
     def __init__(
@@ -210,7 +244,11 @@ class DirIndex:
         self._lock = threading.Lock()
         self._gen = 0
         self._unsynced_dels = 0
-        self._records = 0
+        self._records = 0  # in the journal
+        self._size = 0  # bytes of whole records in the journal: where the next one goes
+        self._torn = False  # the journal may hold a partial append beyond _size
+        self._pending: list[tuple[int, int, bytes, int]] = []  # DELs not yet appended
+        self._compact_at = _journal_limit(n_slots)
         self.entries: dict[int, Entry] = {}
         self.dropped = 0  # entries found invalid at load (duplicates, out of range)
         if fresh:
@@ -219,8 +257,16 @@ class DirIndex:
         else:
             self._load()
         self._jfd = io.open(str(directory / JOURNAL_FILE), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-        if tidy and (self._records or self.dropped or fresh):
-            self.compact()
+        if not tidy:
+            return
+        try:
+            if os.fstat(self._jfd).st_size != self._size:
+                os.ftruncate(self._jfd, self._size)  # a partial record from a crash mid-append
+            if self._records or self.dropped or fresh:
+                self._compact_or_defer()
+        except BaseException:
+            os.close(self._jfd)
+            raise
 
     # -- loading ---------------------------------------------------------------------------
     def _load(self) -> None:
@@ -237,6 +283,7 @@ class DirIndex:
             raw = b""
         n = len(raw) // REC_BYTES
         self._records = n
+        self._size = n * REC_BYTES
         if n:
             recs = np.frombuffer(raw, REC_DTYPE, count=n)
             h = xxhash.xxh3_64_intdigest
@@ -274,24 +321,31 @@ class DirIndex:
     def record_put(self, items: list[tuple[int, bytes, int]]) -> None:
         """Record (slot, key, checksum) of blocks whose bytes are already durable."""
         with self._lock:
-            self._append(PUT, items)
+            self._append([(PUT, s, k, c) for s, k, c in items])
             for slot, key, csum in items:
                 self.entries[slot] = (key, csum)
             self._maybe_compact()
 
     def record_del(self, items: list[tuple[int, bytes]]) -> None:
-        """Record that these (slot, key) pairs are gone; see ``sync_dels`` before reusing."""
+        """Record that these (slot, key) pairs are gone; see ``sync_dels`` before reusing.
+
+        ``entries`` forgets them even if the append fails; the records then stay pending and
+        go out with the next append (or snapshot)."""
         with self._lock:
-            self._append(DEL, [(s, k, 0) for s, k in items])
             for slot, key in items:
                 if self.entries.get(slot, (b"",))[0] == key:
                     del self.entries[slot]
+            self._pending += [(DEL, s, k, 0) for s, k in items]
             self._unsynced_dels += len(items)
+            self._append([])
             self._maybe_compact()
 
     def sync_dels(self) -> None:
-        """Make recorded DELs durable; call before overwriting a slot freed since the last sync."""
+        """Make recorded DELs durable (pending ones appended first); call before overwriting a
+        slot freed since the last sync."""
         with self._lock:
+            if self._pending:
+                self._append([])
             if self._unsynced_dels:
                 self._io.fdatasync(self._jfd)
                 self._unsynced_dels = 0
@@ -302,7 +356,10 @@ class DirIndex:
             self._compact()
 
     def close(self, compact: bool = True) -> None:
-        """Snapshot (unless ``compact`` is False, e.g. the device failed) and close the journal."""
+        """Snapshot (unless ``compact`` is False, e.g. the device failed) and close the journal.
+
+        If the snapshot cannot be written, the previous snapshot and the journal still hold
+        everything recorded (pending DELs aside) and the ``OSError`` is raised."""
         with self._lock:
             try:
                 if compact:
@@ -310,23 +367,52 @@ class DirIndex:
             finally:
                 os.close(self._jfd)
 
-    def _append(self, op: int, items: list[tuple[int, bytes, int]]) -> None:
+    def _append(self, items: list[tuple[int, int, bytes, int]]) -> None:
+        """Append pending DELs then ``items`` as (op, slot, key, checksum) records, in one write.
+
+        On failure the journal is cut back to its last whole record: a partial append would
+        otherwise misalign, and so hide, every record written after it."""
+        items = self._pending + items
+        if not items:
+            return
+        if self._torn:
+            os.ftruncate(self._jfd, self._size)
+            self._torn = False
         recs = np.zeros(len(items), REC_DTYPE)
         recs["gen"] = self._gen
-        recs["op"] = op
-        recs["slot"] = [s for s, _, _ in items]
-        recs["key"] = [k for _, k, _ in items]
-        recs["csum"] = [c for _, _, c in items]
+        recs["op"] = [op for op, _, _, _ in items]
+        recs["slot"] = [s for _, s, _, _ in items]
+        recs["key"] = [k for _, _, k, _ in items]
+        recs["csum"] = [c for _, _, _, c in items]
         rows = recs.view(np.uint8).reshape(len(items), REC_BYTES)
         recs["rsum"] = [
             xxhash.xxh3_64_intdigest(rows[i, :_REC_BODY].tobytes()) for i in range(len(items))
         ]
-        self._io.append(self._jfd, recs.tobytes())
+        try:
+            self._io.append(self._jfd, recs.tobytes())
+        except BaseException:
+            try:
+                os.ftruncate(self._jfd, self._size)
+            except OSError:
+                self._torn = True  # cut it before the next append
+            raise
+        self._pending = []
+        self._size += recs.nbytes
         self._records += len(items)
 
     def _maybe_compact(self) -> None:
-        if self._records > max(4096, self.n_slots):
+        if self._records > self._compact_at:
+            self._compact_or_defer()
+
+    def _compact_or_defer(self) -> None:
+        """Compact, or if the disk is full keep the journal and try again after as many more
+        records: it still holds everything, and a snapshot is no reason to fail an update."""
+        try:
             self._compact()
+        except OSError as exc:
+            if not is_full(exc):
+                raise
+            self._compact_at = self._records + _journal_limit(self.n_slots)
 
     def _compact(self) -> None:
         recs = np.zeros(len(self.entries), SNAP_DTYPE)
@@ -340,10 +426,15 @@ class DirIndex:
         atomic_write(
             self.directory / SNAP_FILE, body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
         )
+        # the snapshot is durable: older-generation records are now ignored, pending DELs moot
         self._gen = gen
-        os.ftruncate(self._jfd, 0)
-        self._records = 0
+        self._pending = []
         self._unsynced_dels = 0
+        self._compact_at = _journal_limit(self.n_slots)
+        os.ftruncate(self._jfd, 0)
+        self._size = 0
+        self._torn = False
+        self._records = 0
 
 
 def _read_snapshot(path: Path) -> tuple[int, np.ndarray[Any, np.dtype[Any]]] | None:

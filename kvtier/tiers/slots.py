@@ -115,6 +115,12 @@ class SlotTable:
         with self._lock:
             self._writing.discard(key)
 
+    def restock(self, slots: Sequence[int]) -> None:
+        """Return slots set aside by ``retire`` to the free list (their medium is usable again)."""
+        if slots:
+            with self._lock:
+                self._free.extend(slots)
+
     def purge(self, lost: Callable[[int], bool]) -> int:
         """Unmap every key and forget every free slot for which ``lost(slot)``; return the
         number of keys dropped."""
