@@ -18,6 +18,7 @@ from kvtier.layout import KVLayout, canonical_dtype, load_presets, preset
 from kvtier.plan import make_plan
 from kvtier.policy import DEFAULT_POLICY
 from kvtier.store import TieredStore
+from kvtier.tiers.nvme import NVMeTier
 
 LAY = KVLayout(2, 2, 4, "fp16", block_tokens=4)
 
@@ -279,6 +280,43 @@ def test_parse_int_range_and_types() -> None:
     for bad in (9, 0, "1e3", "0x10", "1_0", 2.0, False, None):
         with pytest.raises(ConfigError, match=r"^n: "):
             parse_int(bad, "n", 1, 8)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("warm_restart", "ture"),
+        ("warm_restart", 2),
+        ("workers", -3),
+        ("workers", "two"),
+        ("workers", 1.5),
+        ("paths", 5),
+        ("paths", [5]),
+        ("paths", [""]),
+        ("capacity", math.inf),
+        ("capacity", math.nan),
+    ],
+)
+def test_bad_nvme_values_name_the_key(tmp_path: Path, key: str, value: object) -> None:
+    spec = {"paths": [str(tmp_path)], "capacity": "1MiB", key: value}
+    with pytest.raises(ConfigError, match=key):
+        NVMeTier.from_config(LAY, spec)
+
+
+def test_a_typo_in_warm_restart_does_not_throw_the_cache_away(tmp_path: Path) -> None:
+    raw = {
+        "store": STORE,
+        "tiers": [{"kind": "nvme", "capacity": "1MiB", "paths": [str(tmp_path)]}],
+    }
+    kv = np.ones(LAY.kv_shape(8), np.float16)
+    with TieredStore.from_config(raw, env={}) as s:
+        s.store(list(range(8)), kv)
+    with pytest.raises(ConfigError, match=r"warm_restart.*'ture'"):
+        TieredStore.from_config(raw, env={"KVTIER_TIER0_WARM_RESTART": "ture"})
+    with TieredStore.from_config(raw, env={"KVTIER_TIER0_WARM_RESTART": "ON"}) as s:
+        assert s.lookup(list(range(8))) == 8
+    with TieredStore.from_config(raw, env={"KVTIER_TIER0_WARM_RESTART": "off"}) as s:
+        assert s.lookup(list(range(8))) == 0
 
 
 @pytest.mark.parametrize(

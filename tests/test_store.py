@@ -193,7 +193,7 @@ def test_bad_input_is_rejected_and_nothing_stored() -> None:
         # every id is checked on store, also past the last full block (never keyed), by position
         with pytest.raises(TokenError, match="-1 at position 9"):
             st.store([*toks, 3, -1], kv_for(toks))
-        with pytest.raises(TokenError, match="2.5 at position 6"):
+        with pytest.raises(TokenError, match=r"2\.5 at position 6"):
             st.store([1, 2, 3, 4, 5, 6, 2.5, 8], kv_for(toks))
         assert st.lookup(toks) == 0
         assert st.stats()["store"]["stored_tokens"] == 0

@@ -50,7 +50,7 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 
 from kvtier import codec
-from kvtier.config import check_keys, parse_size
+from kvtier.config import check_keys, parse_bool, parse_int, parse_size
 from kvtier.errors import ConfigError, LayoutError
 from kvtier.keys import BlockKey, key_hex
 from kvtier.layout import KVLayout
@@ -167,21 +167,22 @@ class NVMeTier(SlotTier):
             paths = [paths]
         if not paths:
             raise ConfigError('tiers.nvme needs paths, e.g. paths = ["/mnt/nvme0/kvtier"]')
+        if not isinstance(paths, list | tuple) or not all(
+            isinstance(p, str | Path) and str(p) for p in paths
+        ):
+            raise ConfigError(f"tiers.nvme paths must be a list of directories, got {paths!r}")
         if "capacity" not in spec:
             raise ConfigError('tiers.nvme needs a capacity, e.g. capacity = "200GiB"')
         mode = str(spec.get("o_direct", "auto"))
         if mode not in ("auto", "always", "never"):
             raise ConfigError(f"tiers.nvme o_direct must be auto/always/never, got {mode!r}")
-        warm = spec.get("warm_restart", True)
-        if isinstance(warm, str):
-            warm = warm.strip().lower() in ("1", "true", "yes", "on")
         return cls(
             layout,
             [str(p) for p in paths],
             parse_size(spec["capacity"], "tiers.nvme capacity"),
-            warm_restart=bool(warm),
+            warm_restart=parse_bool(spec.get("warm_restart", True), "tiers.nvme warm_restart"),
             o_direct=mode,  # type: ignore[arg-type]
-            workers=int(spec.get("workers", 4)),
+            workers=parse_int(spec.get("workers", 4), "tiers.nvme workers", 1, 1024),
         )
 
     # -- queries -----------------------------------------------------------------------------
