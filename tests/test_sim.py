@@ -224,3 +224,53 @@ def test_cli_tiers_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 def test_cli_bad_tier_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--synthetic", "rag", "--tier", "tape=1TB"]) == 2
     assert "tape" in capsys.readouterr().err
+
+
+def test_write_trace_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed save leaves the old file as it was and no temporary file; a good one replaces it."""
+    import kvtier.sim.trace as trace_mod
+
+    dest = tmp_path / "t.jsonl"
+    dest.write_text("old\n")
+    trace = generate("chat", 20, seed=1)
+
+    def torn(t: Trace, fh: object) -> None:
+        fh.write("partial")  # type: ignore[attr-defined]
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(trace_mod, "_write_lines", torn)
+    with pytest.raises(OSError):
+        trace_mod.write_trace(trace, dest)
+    assert dest.read_text() == "old\n" and sorted(tmp_path.iterdir()) == [dest]
+    monkeypatch.undo()
+    trace_mod.write_trace(trace, dest)
+    assert read_trace(dest).requests == trace.requests and sorted(tmp_path.iterdir()) == [dest]
+
+
+@pytest.mark.parametrize(
+    ("line", "needle"),
+    [
+        ('{"timestamp": NaN, "input_length": 10, "hash_ids": [0]}', "finite non-negative"),
+        ('{"timestamp": 1e999, "input_length": 10, "hash_ids": [0]}', "finite non-negative"),
+        ('{"timestamp": 0, "hash_ids": [0]}', "'input_length' is missing"),
+        ('{"timestamp": 0, "input_length": 10}', "'hash_ids' is missing"),
+        ('{"timestamp": 0, "input_length": 10, "hash_ids": [0, 1]}', "needs 1 block of 512"),
+    ],
+)
+def test_trace_field_errors_say_what_is_wrong(line: str, needle: str) -> None:
+    with pytest.raises(TraceError, match=rf"t\.jsonl:1: .*{needle}"):
+        list(iter_trace([line], "t.jsonl"))
+
+
+def test_custom_toml_tier_with_its_costs_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        '[[tiers]]\nname = "hbm"\ncapacity = "20GB"\n'
+        '[[tiers]]\nname = "cxl"\ncapacity = "100GB"\nbandwidth = "64GB"\nlatency_us = 0.5\n'
+    )
+    argv = ["simulate", "--synthetic", "chat", "--requests", "50", "--model", "Llama-3.1-8B"]
+    assert main([*argv, "--config", str(cfg), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [t["name"] for t in out["tiers"]] == ["hbm", "cxl"]

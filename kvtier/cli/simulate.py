@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.policy import POLICIES
 from kvtier.sim.options import add_hints_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvtier.sim.replay import SIM_POLICIES  # the command needs it anyway
+
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="Mooncake-format JSONL trace")
     src.add_argument(
@@ -30,7 +32,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--requests", type=int, default=2000, help="synthetic: number of requests")
     p.add_argument("--seed", type=int, default=0, help="synthetic: random seed")
-    p.add_argument("--save-trace", metavar="FILE", help="write the (synthetic) trace as JSONL")
+    p.add_argument(
+        "--save-trace",
+        metavar="FILE",
+        help="write the (synthetic) trace as JSONL (atomically; never onto the --trace file)",
+    )
     p.add_argument("--config", metavar="TOML", help="hierarchy/model/GPU description")
     p.add_argument(
         "--tier",
@@ -43,31 +49,61 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--capacity-blocks", type=int, metavar="N", help="one tier of N blocks (overrides --tier)"
     )
     p.add_argument("--model", help="model preset (default Llama-3.1-70B)")
-    p.add_argument("--dtype", default="bf16", help="KV dtype (default bf16)")
-    p.add_argument("--gpus", type=int, help="GPUs prefilling (default 8)")
-    p.add_argument("--policy", help=f"eviction policy: {', '.join([*sorted(POLICIES), 'belady'])}")
+    p.add_argument("--dtype", help="KV dtype (default: the TOML file's, else bf16)")
+    p.add_argument("--gpus", type=int, help="GPUs prefilling, >= 1 (default 8)")
+    p.add_argument("--policy", help=f"eviction policy: {', '.join(SIM_POLICIES)}")
     p.add_argument(
         "--sweep",
         action="store_true",
         help="hit ratio and TTFT vs capacity for every policy, Belady included",
     )
-    p.add_argument("--capacities", help="sweep: comma-separated capacities in blocks")
-    p.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")
+    p.add_argument(
+        "--capacities", help="sweep: comma-separated capacities in blocks (>= 1; sorted)"
+    )
+    p.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR (created if needed)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_hints_argument(p)
 
 
+def _check_save_target(args: argparse.Namespace) -> Path:
+    """Where ``--save-trace`` writes: a file in an existing, writable directory, never the input
+    trace. Checked before anything runs, so a failing run writes nothing."""
+    dest = Path(args.save_trace)
+    flag = f"--save-trace {args.save_trace!r}"
+    if dest.is_dir():
+        raise ConfigError(f"{flag} is a directory; give a file name")
+    if not dest.parent.is_dir():
+        raise ConfigError(f"{flag}: directory {str(dest.parent)!r} does not exist")
+    if not os.access(dest.parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag}: directory {str(dest.parent)!r} is not writable")
+    if args.trace:
+        src = Path(args.trace)
+        same = dest.resolve() == src.resolve()
+        if not same and dest.exists() and src.exists():
+            same = os.path.samefile(dest, src)  # a hard link or another spelling of the path
+        if same:
+            raise ConfigError(f"{flag} is the input trace (--trace); save to another file")
+    return dest
+
+
+def _save_trace(trace: Any, dest: Path) -> None:
+    from kvtier.sim.trace import write_trace
+
+    try:
+        write_trace(trace, dest)
+    except OSError as exc:
+        raise ConfigError(
+            f"--save-trace {str(dest)!r}: cannot write: {exc.strerror or exc}"
+        ) from None
+
+
 def _load_trace(args: argparse.Namespace) -> Any:
-    from kvtier.sim.trace import read_trace, write_trace
+    from kvtier.sim.trace import read_trace
     from kvtier.sim.workload import generate
 
     if args.trace:
-        trace = read_trace(args.trace)
-    else:
-        trace = generate(args.synthetic, args.requests, args.seed)
-    if args.save_trace:
-        write_trace(trace, args.save_trace)
-    return trace
+        return read_trace(args.trace)
+    return generate(args.synthetic, args.requests, args.seed)
 
 
 class _LazyProgress:
@@ -106,33 +142,44 @@ class _LazyProgress:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Every flag, the trace and the hierarchy are checked before anything is written: a run
+    that fails leaves no saved trace and no plot directory behind."""
     from kvtier.sim import hierarchy
     from kvtier.sim.replay import SIM_POLICIES, replay
     from kvtier.sim.report import render, summarize
 
+    caps: list[int] | None = None
+    if args.capacities is not None:
+        if not args.sweep:
+            raise ConfigError("--capacities sets the sweep's capacities; add --sweep")
+        from kvtier.sim.sweep import parse_capacities
+
+        caps = parse_capacities(args.capacities)
+    if args.capacity_blocks is not None and args.capacity_blocks < 0:
+        raise ConfigError(f"--capacity-blocks must be >= 0, got {args.capacity_blocks}")
+    plot_dir = None
+    if args.plot:
+        from kvtier.sim.plots import check_plot_dir
+
+        plot_dir = check_plot_dir(args.plot)
+    save_to = _check_save_target(args) if args.save_trace else None
     trace = _load_trace(args)
     tier_flags = list(args.tier)
     hier = hierarchy.build(
         args.model, args.dtype, trace.block_tokens, args.policy, tier_flags, args.config, args.gpus
     )
     if args.capacity_blocks is not None:
-        if args.capacity_blocks < 0:
-            raise ConfigError("--capacity-blocks must be >= 0")
         first = hier.tiers[0]
         size = args.capacity_blocks * hier.block_bytes
         hier = hier.with_tiers([hierarchy.SimTier(first.name, size, first.policy, first.cost)])
-    plot_dir = Path(args.plot) if args.plot else None
-    if plot_dir is not None:
-        plot_dir.mkdir(parents=True, exist_ok=True)
+    if save_to is not None:
+        _save_trace(trace, save_to)
 
     if args.sweep:
         from kvtier.sim.sweep import default_capacities, sweep
 
-        caps = (
-            [int(c) for c in args.capacities.split(",")]
-            if args.capacities
-            else default_capacities(trace)
-        )
+        if caps is None:
+            caps = default_capacities(trace)
         pols = [args.policy] if args.policy else list(SIM_POLICIES)
         with _LazyProgress(len(pols) * len(caps), "sweeping") as progress:
             rows = sweep(trace, hier, pols, caps, progress, hints=args.hints)

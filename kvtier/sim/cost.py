@@ -20,6 +20,7 @@ model FLOPs utilisation prefill reaches (MFU), watts.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any
@@ -138,13 +139,30 @@ def price(
     return Timing(fetch + compute, use.sum(axis=1), (hits - use).sum(axis=1))
 
 
-def with_overrides(base: TierCost, table: dict[str, object], where: str) -> TierCost:
-    """``base`` with the keys given in a TOML tier table replaced (sizes/rates parsed)."""
+def is_finite_number(v: object) -> bool:
+    """A TOML/JSON number (not a bool) that is finite and fits a float."""
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def with_overrides(base: TierCost, table: dict[str, Any], where: str) -> TierCost:
+    """``base`` with the keys given in a TOML tier table replaced (sizes/rates parsed).
+
+    Raises ``ConfigError`` naming ``where`` and the key: bandwidth must be > 0, latency, price
+    and watts finite and >= 0.
+    """
     from kvtier.config import parse_size
 
     out = base
     if "bandwidth" in table:
-        out = replace(out, bandwidth=float(parse_size(table["bandwidth"], f"{where}.bandwidth")))  # type: ignore[arg-type]
+        bw = parse_size(table["bandwidth"], f"{where} bandwidth")
+        if bw <= 0:
+            raise ConfigError(f"{where} bandwidth must be > 0 bytes/s, got {table['bandwidth']!r}")
+        out = replace(out, bandwidth=float(bw))
     for key, field in (
         ("latency_us", "latency_s"),
         ("usd_per_gb_month", "usd_per_gb_month"),
@@ -152,7 +170,7 @@ def with_overrides(base: TierCost, table: dict[str, object], where: str) -> Tier
     ):
         if key in table:
             v = table[key]
-            if not isinstance(v, int | float) or isinstance(v, bool) or v < 0:
-                raise ConfigError(f"{where}.{key} must be a non-negative number, got {v!r}")
+            if not is_finite_number(v) or v < 0:
+                raise ConfigError(f"{where} {key} must be a finite number >= 0, got {v!r}")
             out = replace(out, **{field: float(v) * (1e-6 if key == "latency_us" else 1.0)})
     return out

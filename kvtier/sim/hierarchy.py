@@ -23,7 +23,10 @@
     policy = "lru"          # optional, per tier
 
 A tier's capacity in blocks is ``capacity // block_bytes``, with ``block_bytes`` = the trace's
-block tokens (512 for Mooncake) times the model's KV bytes per token.
+block tokens (512 for Mooncake) times the model's KV bytes per token; a capacity must be 0 or at
+least one block. Tiers are listed fastest first: the known kinds in the order hbm, dram, nvme,
+pool, object (custom names may go anywhere), each name once. Every value is checked once here:
+``ConfigError`` names the flag or the TOML file and key, and the bad value.
 """
 
 from __future__ import annotations
@@ -33,14 +36,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.config import check_keys, parse_size
+from kvtier.config import parse_size
 from kvtier.errors import ConfigError
 from kvtier.layout import KVLayout, preset
 from kvtier.policy import DEFAULT_POLICY
-from kvtier.sim.cost import GPU, ComputeModel, TierCost, tier_cost, with_overrides
-from kvtier.sim.replay import TierSpec
+from kvtier.sim.cost import (
+    GPU,
+    ComputeModel,
+    TierCost,
+    is_finite_number,
+    tier_cost,
+    with_overrides,
+)
+from kvtier.sim.replay import SIM_POLICIES, TierSpec
 
 DEFAULT_MODEL = "Llama-3.1-70B"
+DEFAULT_DTYPE = "bf16"
+#: known tier kinds, fastest first (``s3`` is another name for ``object``)
+TIER_ORDER = ("hbm", "dram", "nvme", "pool", "object")
 _TIER_KEYS = {
     "name",
     "capacity",
@@ -62,6 +75,16 @@ class SimTier:
     capacity_bytes: int
     policy: str
     cost: TierCost
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes < 0:
+            raise ConfigError(
+                f"tier {self.name!r}: capacity must be >= 0, got {self.capacity_bytes}"
+            )
+        if self.policy.lower() not in SIM_POLICIES:
+            raise ConfigError(
+                f"unknown policy {self.policy!r}; choose one of {', '.join(SIM_POLICIES)}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,13 +112,32 @@ class Hierarchy:
 
 
 def make_tier(
-    name: str, capacity: str | int, policy: str, table: dict[str, Any] | None = None
+    name: str,
+    capacity: str | int | float,
+    policy: str,
+    table: dict[str, Any] | None = None,
+    where: str | None = None,
 ) -> SimTier:
-    where = f"tier {name!r}"
-    cost = tier_cost(name)
-    if table is not None:
+    """A tier with the default costs of its kind, overridden by a TOML ``table`` if given (then
+    a custom name is allowed if the table gives its bandwidth; its other costs default to zero).
+    ``where`` prefixes errors (default ``tier 'NAME'``)."""
+    where = where or f"tier {name!r}"
+    if table is None:
+        cost = tier_cost(name)
+    else:
+        if _kind(name) not in TIER_ORDER and "bandwidth" not in table:
+            raise ConfigError(
+                f"{where}: tier {name!r} has no default cost (known: {', '.join(TIER_ORDER)}); "
+                "give at least its bandwidth (and latency_us, usd_per_gb_month, watts_per_gb)"
+            )
         cost = with_overrides(tier_cost_or_zero(name), table, where)
     return SimTier(name, parse_size(capacity, f"{where} capacity"), policy, cost)
+
+
+def _kind(name: str) -> str:
+    """The tier kind a name picks (``s3`` is ``object``); custom names are their own kind."""
+    key = name.lower()
+    return "object" if key == "s3" else key
 
 
 def tier_cost_or_zero(name: str) -> TierCost:
@@ -114,9 +156,138 @@ def parse_tier_flag(text: str, policy: str) -> SimTier:
     return make_tier(name.strip(), size.strip(), policy)
 
 
+def check_tier_list(tiers: list[SimTier], source: str) -> None:
+    """Each name once; the known kinds fastest first (``source`` names the flag or file)."""
+    seen: set[str] = set()
+    last: tuple[int, str] | None = None
+    for t in tiers:
+        if t.name.lower() in seen:
+            raise ConfigError(f"{source}: tier {t.name!r} is given twice; name each tier once")
+        seen.add(t.name.lower())
+        kind = _kind(t.name)
+        if kind not in TIER_ORDER:
+            continue
+        rank = TIER_ORDER.index(kind)
+        if last is not None and rank < last[0]:
+            raise ConfigError(
+                f"{source}: tier {t.name!r} comes after {last[1]!r}; list tiers fastest first, "
+                f"in the order {', '.join(TIER_ORDER)} (custom names anywhere)"
+            )
+        last = (rank, t.name)
+
+
+def check_tier_sizes(tiers: tuple[SimTier, ...], layout: KVLayout, model: str) -> None:
+    """A capacity is 0 or at least one block (a smaller one would silently hold nothing)."""
+    bb = layout.block_bytes
+    for t in tiers:
+        if 0 < t.capacity_bytes < bb:
+            raise ConfigError(
+                f"tier {t.name!r}: capacity {t.capacity_bytes:,} bytes is less than one block "
+                f"({bb:,} bytes: {layout.block_tokens} tokens of {model}, {layout.dtype}); "
+                f"give 0 or at least {bb:,} bytes"
+            )
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(Path(path).read_bytes().decode("utf-8-sig"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read simulation config {path!r}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"cannot read simulation config {path!r}: not UTF-8 text (byte at offset "
+            f"{exc.start}); is this a TOML file?"
+        ) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"cannot read simulation config {path!r}: {exc}") from None
+
+
+def _check_keys(where: str, table: dict[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise ConfigError(
+            f"{where}unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}"
+        )
+
+
+def _policy(table: dict[str, Any], where: str, default: str) -> str:
+    value = _text(table, "policy", where, default)
+    if value.lower() not in SIM_POLICIES:
+        raise ConfigError(
+            f"{where}policy {value!r} is unknown; choose one of {', '.join(SIM_POLICIES)}"
+        )
+    return value
+
+
+def _text(table: dict[str, Any], key: str, where: str, default: str) -> str:
+    value = table.get(key, default)
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{where}{key} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _number(
+    table: dict[str, Any], key: str, where: str, default: float, low: float, strict: bool
+) -> float:
+    """``table[key]`` (or ``default``): a finite number ``> low`` (``strict``) or ``>= low``."""
+    value = table.get(key, default)
+    if not is_finite_number(value) or (value <= low if strict else value < low):
+        bound = f"> {low:g}" if strict else f">= {low:g}"
+        raise ConfigError(f"{where}{key} must be a finite number {bound}, got {value!r}")
+    return float(value)
+
+
+def _gpu(doc: dict[str, Any], src: str, gpus: int | None) -> GPU:
+    g = doc.get("gpu", {})
+    if not isinstance(g, dict):
+        raise ConfigError(
+            f"{src}'gpu' must be a table ([gpu] with {', '.join(sorted(_GPU_KEYS))}), got {g!r}"
+        )
+    where = f"{src}[gpu] "
+    _check_keys(where, g, _GPU_KEYS)
+    d = GPU()
+    mfu = g.get("mfu", d.mfu)
+    if not is_finite_number(mfu) or not 0 < mfu <= 1:
+        raise ConfigError(f"{where}mfu must be in (0, 1] (a fraction of peak), got {mfu!r}")
+    if gpus is not None:
+        if gpus < 1:
+            raise ConfigError(f"--gpus must be >= 1, got {gpus}")
+        count = gpus
+    else:
+        count = g.get("count", d.count)
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise ConfigError(f"{where}count must be a positive integer, got {count!r}")
+    return GPU(
+        name=_text(g, "name", where, d.name),
+        flops=_number(g, "flops", where, d.flops, 0.0, strict=True),
+        mfu=float(mfu),
+        watts=_number(g, "watts", where, d.watts, 0.0, strict=False),
+        count=count,
+    )
+
+
+def _toml_tiers(doc: dict[str, Any], src: str, pol: str) -> list[SimTier]:
+    raw = doc.get("tiers", [])
+    if not isinstance(raw, list) or not all(isinstance(t, dict) for t in raw):
+        raise ConfigError(
+            f"{src}'tiers' must be an array of tables ([[tiers]] with name, capacity, ...), "
+            f"got {raw!r}"
+        )
+    tiers: list[SimTier] = []
+    for i, t in enumerate(raw):
+        where = f"{src}[[tiers]] #{i + 1} "
+        _check_keys(where, t, _TIER_KEYS)
+        if "name" not in t or "capacity" not in t:
+            raise ConfigError(f"{where}needs a name and a capacity")
+        name = _text(t, "name", where, "")
+        tier_pol = _policy(t, where, pol)
+        tiers.append(make_tier(name, t["capacity"], tier_pol, t, f"{where}({name!r})"))
+    return tiers
+
+
 def build(
     model: str | None,
-    dtype: str,
+    dtype: str | None,
     block_tokens: int,
     policy: str | None,
     tier_flags: list[str],
@@ -125,36 +296,28 @@ def build(
 ) -> Hierarchy:
     """Assemble the hierarchy; flags override the TOML file; errors say what to change."""
     doc: dict[str, Any] = {}
+    src = ""
     if toml_path:
-        try:
-            doc = tomllib.loads(Path(toml_path).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"cannot read simulation config {toml_path!r}: {exc}") from None
-        check_keys("simulate", doc, _TOP_KEYS)
-    name = model or str(doc.get("model", DEFAULT_MODEL))
-    pol = policy or str(doc.get("policy", DEFAULT_POLICY))
+        doc = _read_toml(toml_path)
+        src = f"{toml_path}: "
+        _check_keys(src, doc, _TOP_KEYS)
+    name = model or _text(doc, "model", src, DEFAULT_MODEL)
+    if policy is not None and policy.lower() not in SIM_POLICIES:
+        raise ConfigError(
+            f"--policy {policy!r} is unknown; choose one of {', '.join(SIM_POLICIES)}"
+        )
+    pol = policy or _policy(doc, src, DEFAULT_POLICY)
     p = preset(name)
-    layout = p.layout(str(doc.get("dtype", dtype)), block_tokens)
-    g = doc.get("gpu", {})
-    check_keys("gpu", g, _GPU_KEYS)
-    d = GPU()
-    gpu = GPU(
-        name=str(g.get("name", d.name)),
-        flops=float(g.get("flops", d.flops)),
-        mfu=float(g.get("mfu", d.mfu)),
-        watts=float(g.get("watts", d.watts)),
-        count=int(gpus or g.get("count", d.count)),
-    )
-    tiers: list[SimTier] = []
+    layout = p.layout(dtype or _text(doc, "dtype", src, DEFAULT_DTYPE), block_tokens)
+    gpu = _gpu(doc, src, gpus)
     if tier_flags:
         tiers = [parse_tier_flag(f, pol) for f in tier_flags]
+        check_tier_list(tiers, "--tier")
     else:
-        for i, t in enumerate(doc.get("tiers", [])):
-            check_keys(f"tiers[{i}]", t, _TIER_KEYS)
-            if "name" not in t or "capacity" not in t:
-                raise ConfigError(f"[[tiers]] #{i + 1} needs a name and a capacity")
-            tiers.append(make_tier(str(t["name"]), t["capacity"], str(t.get("policy", pol)), t))
+        tiers = _toml_tiers(doc, src, pol)
+        check_tier_list(tiers, f"{src}[[tiers]]")
     if not tiers:
         tiers = [make_tier("hbm", "80GB", pol)]
+    check_tier_sizes(tuple(tiers), layout, p.name)
     compute = ComputeModel.from_preset(p, layout.bytes_per_token)
     return Hierarchy(p.name, layout, compute, gpu, tuple(tiers))

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.errors import ConfigError
 from kvtier.sim.cost import price
 from kvtier.sim.hierarchy import Hierarchy
 from kvtier.sim.replay import TierSpec, replay
@@ -15,9 +16,33 @@ from kvtier.sim.trace import Trace
 
 def default_capacities(trace: Trace, points: int = 10) -> list[int]:
     """Geometric capacities (blocks) from 1% to 100% of the trace's distinct blocks."""
-    distinct = len({k for r in trace.requests for k in r.blocks})
+    distinct = max(1, len({k for r in trace.requests for k in r.blocks}))  # 0: empty requests
     caps = np.geomspace(max(1, distinct // 100), distinct, points)
     return sorted({int(c) for c in caps})
+
+
+def parse_capacities(text: str, flag: str = "--capacities") -> list[int]:
+    """``"1000,10000,5000"`` -> ``[1000, 5000, 10000]``: block counts >= 1, sorted, each once.
+
+    Raises ``ConfigError`` naming ``flag`` and the bad item (empty, not an integer, below 1).
+    """
+    if not text.strip():
+        raise ConfigError(f"{flag} is empty; give block counts, e.g. {flag} 1000,10000")
+    caps: set[int] = set()
+    for item in text.split(","):
+        word = item.strip()
+        try:
+            n = int(word)
+        except ValueError:
+            what = "an empty item" if not word else repr(word)
+            raise ConfigError(
+                f"{flag} {text!r}: {what} is not a whole number of blocks; write e.g. "
+                f"{flag} 1000,10000"
+            ) from None
+        if n < 1:
+            raise ConfigError(f"{flag} {text!r}: capacities are blocks >= 1, got {n}")
+        caps.add(n)
+    return sorted(caps)
 
 
 def sweep(
@@ -30,7 +55,8 @@ def sweep(
 ) -> list[dict[str, Any]]:
     """One single-tier replay per (policy, capacity); the tier is priced like ``hier``'s first.
 
-    ``progress(i)`` is called after each replay with the number done.
+    Rows come in the order given (``parse_capacities`` sorts). ``progress(i)`` is called after
+    each replay with the number done.
     """
     cost = [hier.tiers[0].cost]
     rows: list[dict[str, Any]] = []

@@ -8,14 +8,22 @@ One request per line::
 blocks (chained: an id names a block *and everything before it*), so a request of
 ``input_length`` tokens has ``ceil(input_length / block_tokens)`` of them. Unknown extra fields are
 ignored. A line that is not such an object raises ``TraceError`` naming the file and line number.
+
+The file is UTF-8 (a leading byte-order mark is accepted). Timestamps must be finite and
+non-negative; they may go backwards (real traces merged from several frontends have jitter), and
+requests are replayed in file order regardless.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from kvtier.errors import ConfigError
 
@@ -73,10 +81,17 @@ class Trace:
 
 
 def _field_int(obj: dict[str, object], name: str, where: str) -> int:
-    value = obj.get(name)
+    if name not in obj:
+        raise TraceError(f"{where}: {name!r} is missing (a non-negative integer)")
+    value = obj[name]
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise TraceError(f"{where}: {name!r} must be a non-negative integer, got {value!r}")
     return value
+
+
+def _n(count: int, noun: str) -> str:
+    """``"1 block"``, ``"2 blocks"``."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 def parse_request(line: str, where: str, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> Request:
@@ -88,11 +103,18 @@ def parse_request(line: str, where: str, block_tokens: int = MOONCAKE_BLOCK_TOKE
     if not isinstance(obj, dict):
         raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     ts = obj.get("timestamp", 0)
-    if not isinstance(ts, int | float) or isinstance(ts, bool) or ts < 0:
-        raise TraceError(f"{where}: 'timestamp' must be a non-negative number (ms), got {ts!r}")
+    ts_ms = math.nan
+    if isinstance(ts, int | float) and not isinstance(ts, bool):
+        ts_ms = float(ts) if abs(ts) < 1e300 else math.inf  # a huge int would overflow float()
+    if not 0 <= ts_ms < math.inf:
+        raise TraceError(
+            f"{where}: 'timestamp' must be a finite non-negative number (ms), got {ts!r}"
+        )
     length = _field_int(obj, "input_length", where)
     out = _field_int(obj, "output_length", where) if "output_length" in obj else 0
-    ids = obj.get("hash_ids")
+    if "hash_ids" not in obj:
+        raise TraceError(f"{where}: 'hash_ids' is missing (a list of non-negative integers)")
+    ids = obj["hash_ids"]
     if not isinstance(ids, list) or not all(
         isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids
     ):
@@ -105,10 +127,10 @@ def parse_request(line: str, where: str, block_tokens: int = MOONCAKE_BLOCK_TOKE
     expected = -(-length // block_tokens)
     if len(ids) != expected:
         raise TraceError(
-            f"{where}: input_length {length} needs {expected} blocks of {block_tokens} tokens, "
-            f"but hash_ids has {len(ids)}"
+            f"{where}: input_length {length} needs {_n(expected, 'block')} of {block_tokens} "
+            f"tokens, but hash_ids has {len(ids)}"
         )
-    return Request(float(ts), length, out, tuple(ids))
+    return Request(ts_ms, length, out, tuple(ids))
 
 
 def iter_trace(
@@ -121,28 +143,57 @@ def iter_trace(
 
 
 def read_trace(path: str | Path, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> Trace:
-    """Read a Mooncake-format JSONL trace; ``TraceError`` names the first bad line."""
+    """Read a Mooncake-format JSONL trace; ``TraceError`` names the first bad line (or byte that
+    is not UTF-8)."""
     p = Path(path)
     try:
-        fh = p.open(encoding="utf-8")
+        data = p.read_bytes()
     except OSError as exc:
         raise TraceError(f"cannot open trace {str(p)!r}: {exc.strerror}") from None
-    with fh:
-        reqs = tuple(iter_trace(fh, p.name, block_tokens))
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        lineno = data.count(b"\n", 0, exc.start) + 1
+        line_start = data.rfind(b"\n", 0, exc.start) + 1
+        raise TraceError(
+            f"{p.name}:{lineno}: not UTF-8 text (byte "
+            f"0x{data[exc.start]:02x} at column {exc.start - line_start + 1}); is this a JSONL "
+            "trace?"
+        ) from None
+    # split on "\n" only: str.splitlines would also split inside strings at U+2028 and friends
+    reqs = tuple(iter_trace(text.split("\n"), p.name, block_tokens))
     if not reqs:
         raise TraceError(f"trace {str(p)!r} has no requests")
     return Trace(reqs, block_tokens, p.name)
 
 
 def write_trace(trace: Trace, path: str | Path) -> None:
-    """Write ``trace`` as Mooncake JSONL (used to save synthetic workloads)."""
-    with Path(path).open("w", encoding="utf-8") as fh:
-        for r in trace.requests:
-            ts: float | int = int(r.timestamp_ms) if r.timestamp_ms.is_integer() else r.timestamp_ms
-            obj = {
-                "timestamp": ts,
-                "input_length": r.input_length,
-                "output_length": r.output_length,
-                "hash_ids": list(r.blocks),
-            }
-            fh.write(json.dumps(obj) + "\n")
+    """Write ``trace`` as Mooncake JSONL (used to save synthetic workloads).
+
+    Atomic: the lines go to a temporary file next to ``path``, which then replaces ``path``, so
+    a failure (``OSError``, raised) leaves any existing file as it was and no partial file.
+    """
+    dest = Path(path)
+    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:12]}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # umask applies, as for open()
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            _write_lines(trace, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _write_lines(trace: Trace, fh: TextIO) -> None:
+    for r in trace.requests:
+        ts: float | int = int(r.timestamp_ms) if r.timestamp_ms.is_integer() else r.timestamp_ms
+        obj = {
+            "timestamp": ts,
+            "input_length": r.input_length,
+            "output_length": r.output_length,
+            "hash_ids": list(r.blocks),
+        }
+        fh.write(json.dumps(obj) + "\n")
