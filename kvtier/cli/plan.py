@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-heads", type=int)
     p.add_argument("--head-dim", type=int)
     p.add_argument("--kv-factor", type=int, default=None, help="2 for K+V (default), 1 for MLA")
-    p.add_argument("--dtype", default="fp16", help="fp32|fp16|bf16|fp8 (default fp16)")
+    p.add_argument("--dtype", default="bf16", help="fp32|fp16|bf16|fp8 (default bf16)")
     p.add_argument("--context-tokens", type=int, default=32768)
     p.add_argument("--requests", type=int, default=1, help="concurrent sequences")
     p.add_argument("--gpu-memory", default="80GB", help="HBM per GPU (default 80GB)")
