@@ -361,7 +361,8 @@ def run_trace_plan(args: argparse.Namespace) -> int:
         trace, hier, max_blocks, slo, args.grid_points, margin, args.max_replays, hints=args.hints
     )
     caps = found.caps_bytes or tuple(0 for _ in hier.tiers)
-    chosen = sized(hier, caps) if found.caps_bytes else hier
+    # infeasible: the output describes the best configuration replayed (best_bytes)
+    chosen = sized(hier, found.caps_bytes or found.best_bytes)
     summary = summarize(trace, chosen, replay(trace, chosen.specs(), hints=args.hints))
     feasible = found.caps_bytes is not None
     summary.update(
