@@ -131,6 +131,10 @@ def check_keys(section: str, given: Mapping[str, Any], allowed: set[str]) -> Non
 
 _LAYOUT_KEYS = {"model", "dtype", "block_tokens", "layers", "kv_heads", "head_dim", "kv_factor"}
 _NAMESPACE_KEYS = {"tenant", "model_id", "weights_version", "share_group", "secret"}
+#: the store's defaults, shared by ``TieredStore(...)`` and ``from_config``
+DEFAULT_WORKERS = 2
+#: demotion jobs queued before ``store`` waits for the workers (back-pressure)
+DEFAULT_DEMOTE_QUEUE = 16
 _ENGINE_KEYS = {"policy", "workers", "metrics_port", "demote_queue"}
 _STORE_KEYS = _LAYOUT_KEYS | _NAMESPACE_KEYS | _ENGINE_KEYS
 
@@ -146,9 +150,9 @@ class StoreConfig:
     share_group: str | None = None
     secret: bytes = field(default=b"", repr=False)
     policy: str = DEFAULT_POLICY
-    workers: int = 2
+    workers: int = DEFAULT_WORKERS
     metrics_port: int = 0
-    demote_queue: int = 64
+    demote_queue: int = DEFAULT_DEMOTE_QUEUE
     tiers: tuple[Mapping[str, Any], ...] = ()
 
     @staticmethod
@@ -191,9 +195,9 @@ class StoreConfig:
             share_group=group,
             secret=_secret(s),
             policy=policy,
-            workers=s.integer("workers", 2, 1, 1024),
+            workers=s.integer("workers", DEFAULT_WORKERS, 1, 1024),
             metrics_port=s.integer("metrics_port", 0, 0, 65535),
-            demote_queue=s.integer("demote_queue", 64, 1),
+            demote_queue=s.integer("demote_queue", DEFAULT_DEMOTE_QUEUE, 1),
             tiers=tuple(tiers),
         )
 

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Sequence
 from itertools import islice
 
+from kvtier.config import DEFAULT_DEMOTE_QUEUE, DEFAULT_WORKERS
 from kvtier.decider import Decider, Read
 from kvtier.errors import ConfigError, LayoutError
 from kvtier.keys import BlockKey, Namespace, TokenIds, iter_keys
@@ -39,10 +40,10 @@ class StoreCore:
         model_id: str = "",
         weights_version: str = "",
         policy: str = DEFAULT_POLICY,
-        workers: int = 2,
+        workers: int = DEFAULT_WORKERS,
         secret: bytes = b"",
         share_group: str | None = None,
-        demote_queue: int = 16,
+        demote_queue: int = DEFAULT_DEMOTE_QUEUE,
         metrics_port: int | None = None,
         persist_on_close: bool = True,
     ) -> None:
