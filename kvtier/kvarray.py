@@ -2,8 +2,9 @@
 
 A KV array is ``[layers, kv_factor, n_tokens, kv_heads, head_dim]``. numpy arrays must already be
 in the layout's storage dtype (float32, float16; bf16 as uint16/int16; fp8 as uint8/int8); CPU
-torch tensors are viewed as numpy (bf16/fp8 through an integer view of the same bytes), never
-copied. Anything else raises ``LayoutError`` naming the mismatch.
+torch tensors are viewed as numpy (bf16/fp8 through an integer view of the same bytes, and an
+integer tensor of that width is taken as the carrier, as for numpy), never copied. Anything else
+raises ``LayoutError`` naming the mismatch.
 """
 
 from __future__ import annotations
@@ -35,7 +36,12 @@ def _from_torch(t: Any, layout: KVLayout, what: str) -> Array:
             "(the engine integrations do this with pinned buffers)"
         )
     name = str(t.dtype).removeprefix("torch.")
+    want = layout.storage_dtype
     if name != layout.dtype:  # exact: the two fp8 variants are different bit layouts
+        carrier = want.kind == "u" and not t.is_floating_point() and not t.is_complex()
+        if carrier and t.dtype != torch.bool and t.element_size() == want.itemsize:
+            as_np: Array = t.detach().numpy()  # an integer carrier, as numpy arrays may be
+            return as_np.view(want)
         raise LayoutError(f"{what} has dtype {t.dtype}, the store's layout is {layout.dtype}")
     ints = t.detach().view(getattr(torch, _TORCH_INT_VIEW[layout.dtype]))
     arr: Array = ints.numpy()

@@ -372,6 +372,21 @@ def test_fp8_variants_are_different_formats() -> None:
     assert host_array(kv, e5m2, "kv").dtype == np.uint8
 
 
+def test_torch_integer_carriers_are_accepted_like_numpy_ones() -> None:
+    torch = pytest.importorskip("torch")
+    from kvtier.kvarray import host_array
+
+    bf16 = KVLayout(2, 2, 4, "bf16", block_tokens=4)
+    src = torch.randn(bf16.kv_shape(4), dtype=torch.bfloat16)
+    for carrier in (torch.int16, torch.uint16):
+        arr = host_array(src.view(carrier), bf16, "kv")
+        assert arr.dtype == np.uint16
+        assert np.array_equal(arr, host_array(src, bf16, "kv"))  # the same bytes, no copy
+    for wrong in (torch.int32, torch.int8, torch.bool, torch.float16):
+        with pytest.raises(LayoutError, match="dtype"):
+            host_array(torch.zeros(bf16.kv_shape(4), dtype=wrong), bf16, "kv")
+
+
 def test_batch_checksums_match_one_by_one() -> None:
     """``codec.checksums`` splits large batches over threads; the sums must not change."""
     from kvtier import codec
