@@ -45,6 +45,7 @@ class Counters:
     demotions: int = 0
     promotions: int = 0
     write_through: int = 0
+    write_through_skipped: int = 0
     failed_moves: int = 0
     dropped_for_room: int = 0
 
@@ -156,6 +157,9 @@ class Decider:
         return reads
 
     def plan_write_through(self, keys: list[BlockKey], owner: str) -> list[Move]:
+        """Copies of new first-tier blocks for every shared tier. A tier that is not
+        ``healthy`` (its breaker open) is skipped, counted in ``write_through_skipped``; one
+        whose breaker is due for a trial reports healthy, so write-through resumes by itself."""
         if not keys or not self.shared:
             return []
         moves = []
@@ -165,6 +169,8 @@ class Decider:
                     self.index.begin_write(k, i)
                 self.index.pin(keys)
                 moves.append(Move(0, i, list(keys), [owner] * len(keys), delete_src=False))
+            else:
+                self.counters.write_through_skipped += len(keys)
         return moves
 
     def finish_load(

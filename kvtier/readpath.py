@@ -81,7 +81,9 @@ class ReadPath(StoreCore):
         n = ok.index(False) if False in ok else len(ok)
         with self._lock:
             promote, retry = self._decider.finish_load(reads, ok, n, ns.tenant)
-        if n < len(reads) and not retry:  # keep the tier in step with the index's drop
+        if n < len(reads) and not retry and reads[n].tier not in self._shared:
+            # keep a local tier in step with the index's drop; a shared tier drops what it
+            # finds corrupt itself, and keeps what this node merely cannot open (another key)
             failed = reads[n]
             self.tiers[failed.tier].delete([failed.key], ns.owner)
         if promote:

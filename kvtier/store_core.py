@@ -152,12 +152,18 @@ class StoreCore:
 
     # -- queries ---------------------------------------------------------------------------
     def _shared_extension(self, ns: Namespace, toks: TokenIds, have: int, limit: int) -> list[Read]:
-        """Blocks after the first ``have`` found in shared tiers (one round trip per tier)."""
+        """Blocks after the first ``have`` found in shared tiers (one round trip per tier). A
+        tier that raises (breaking its contract) answers none: a miss, not an exception."""
         if not self._shared or have >= limit:
             return []
         rest = list(islice(iter_keys(ns, toks), have, limit))
         for i in self._shared:
-            n = self.tiers[i].contains_prefix(rest, ns.owner)
+            tier = self.tiers[i]
+            try:
+                n = tier.contains_prefix(rest, ns.owner)
+            except Exception:
+                log.exception("%s: contains_prefix raised; serving a miss", tier.name)
+                n = 0
             if n:
                 return [Read(k, i, False) for k in rest[:n]]
         return []
