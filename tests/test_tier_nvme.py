@@ -168,16 +168,21 @@ def test_header_bit_flip_and_truncation_are_misses(tmp_path: Path) -> None:
     again.close()
 
 
-def test_damaged_snapshot_starts_empty_without_raising(tmp_path: Path) -> None:
+def test_damaged_snapshot_is_rebuilt_without_raising(tmp_path: Path) -> None:
+    """More in tests/test_nvme_recovery.py."""
     tier = open_tier(tmp_path, n_dirs=1)
-    tier.put([rand_key()], [rand_block()])
+    k, b = rand_key(), rand_block(seed=7)
+    tier.put([k], [b])
     tier.close()
     snap = dirs(tmp_path, 1)[0] / SNAP_FILE
     snap.write_bytes(snap.read_bytes()[:-3] + b"xyz")
     again = open_tier(tmp_path, n_dirs=1)
-    assert again.usage().used_blocks == 0 and again.healthy
+    out = empty_block()
+    assert again.get_into([k], [out]) == [True] and again.healthy
+    assert out.tobytes() == b.tobytes()
     again.close()
-    assert check_dir(dirs(tmp_path, 1)[0]).orphan == 1  # its bytes are left, unindexed
+    report = check_dir(dirs(tmp_path, 1)[0])
+    assert (report.ok, report.orphan) == (1, 0)  # indexed again, by the rebuilt snapshot
 
 
 def test_check_fix_drops_bad_slots(tmp_path: Path) -> None:

@@ -12,8 +12,11 @@ fused ``codec.copy_in``/``copy_out`` copy+checksum, on a small pool of worker th
 Persistence and crash safety are described in ``kvtier.tiers.nvme_index``: a put is reported
 ``True`` only after its bytes are durable *and* its index record is written; a reopen (warm
 restart, the default) rebuilds the key map from the persisted index in well under a second for
-100k blocks; ``warm_restart=False`` starts empty. Every read verifies the slot header and the
-payload checksum, so a torn, stale or foreign slot is a miss and is dropped.
+100k blocks; ``warm_restart=False`` starts empty. A persisted index that cannot be trusted (a
+damaged or missing snapshot, a damaged journal, a meta that does not parse) costs a scan, not
+the cache: the directory's index is rebuilt from the slot headers, keeping every block of this
+layout whose payload verifies (``nvme_recover``; one warning line). Every read verifies the slot
+header and the payload checksum, so a torn, stale or foreign slot is a miss and is dropped.
 
 Faults. A directory that cannot be opened (a regular file, under one, not writable, too small
 for its slot file, an I/O error) is a configuration mistake: the constructor raises
@@ -32,7 +35,8 @@ sticky for the life of the tier (reopen to retry). Caller mistakes raise (``Layo
 Thread-safety: all data methods may be called concurrently; ``close`` must not race them.
 
 Modules: this one moves bytes; ``nvme_device`` opens and tracks the directories,
-``nvme_index`` is the on-disk format and persisted index, ``nvme_check`` the integrity checker.
+``nvme_index`` is the on-disk format and persisted index, ``nvme_check`` the slot scanner and
+integrity checker, ``nvme_recover`` the index rebuild from the slot headers.
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ A directory that cannot be opened is a configuration problem: ``open`` raises ``
 naming it and the reason, and leaves nothing behind. After a successful open, a full disk
 (ENOSPC, EDQUOT) makes the directory *full*: it refuses puts, keeps serving what it holds, and
 lets puts try again every ``FULL_RETRY_S`` seconds; any other fault makes it *failed* for good.
+
+A warm open whose index cannot be trusted (a damaged or missing snapshot, a damaged journal, a
+meta that does not parse) rebuilds it from the slot headers (``nvme_recover``); a meta of
+another layout, or none at all, starts the directory empty.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -36,6 +41,7 @@ from kvtier.tiers.nvme_index import (
     is_full,
     lock_directory,
 )
+from kvtier.tiers.nvme_recover import meta_damaged, rebuild
 
 log = logging.getLogger(__name__)
 
@@ -139,11 +145,18 @@ class Device:
 
     def _open(self, meta: DirMeta, warm: bool, o_direct: ODirectMode, io: SlotIO) -> None:
         old = DirMeta.read(self.path)
-        if warm and old is not None and not old.compatible(meta):
-            log.warning(
-                "nvme tier: %s holds blocks of another layout; starting it empty", self.path
-            )
-        fresh = not warm or old is None or not old.compatible(meta)
+        distrust = ""  # why the index must be rebuilt from the slot headers
+        if not warm:
+            fresh = True
+        elif old is not None:
+            fresh = not old.compatible(meta)
+            if fresh:
+                log.warning(
+                    "nvme tier: %s holds blocks of another layout; starting it empty", self.path
+                )
+        else:  # no meta: a new directory; one that does not parse: the slot headers tell
+            fresh = not meta_damaged(self.path, meta.fingerprint)
+            distrust = "" if fresh else f"{META_FILE} does not parse"
         path = str(self.path / SLOTS_FILE)
         fd = io.open(path, os.O_RDWR | os.O_CREAT)
         try:
@@ -151,7 +164,10 @@ class Device:
         finally:
             os.close(fd)
         self.fd, self.direct = _open_slots(path, o_direct, io)
-        self.dindex = DirIndex(self.path, self.n_slots, io, fresh=fresh)
+        rescan = partial(rebuild, self.path, self.fd, meta, io)
+        self.dindex = DirIndex(
+            self.path, self.n_slots, io, fresh=fresh, rescan=rescan, distrust=distrust
+        )
         if old != meta:  # last: a reopen on a full disk rewrites nothing
             meta.write(self.path)
 

@@ -28,6 +28,11 @@ no ``.tmp`` behind), and DELs that do not fit stay pending until the next append
 Whatever the index says, a read still verifies the slot header (key, layout) and the payload
 checksum, so a damaged medium yields a miss, never wrong bytes.
 
+An index that cannot be trusted (a snapshot that is damaged or missing, a journal with a bad
+record before a good one: not what a crash leaves) is rebuilt from the slot headers by the
+``rescan`` the tier passes in (``kvtier.tiers.nvme_recover``) and snapshotted at once, with a
+generation newer than any record in the old journal.
+
 Reopening replays one numpy ``frombuffer`` of the snapshot plus a journal bounded to a few times
 the slot count, so 100k blocks reopen in well under a second.
 """
@@ -41,6 +46,7 @@ import json
 import os
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -235,9 +241,21 @@ class DirIndex:
     """
 
     def __init__(
-        self, directory: Path, n_slots: int, io: SlotIO, fresh: bool = False, tidy: bool = True
+        self,
+        directory: Path,
+        n_slots: int,
+        io: SlotIO,
+        fresh: bool = False,
+        tidy: bool = True,
+        rescan: Callable[[str], dict[int, Entry]] | None = None,
+        distrust: str = "",
     ) -> None:
-        """Load (or with ``fresh``, discard) the index; ``tidy`` compacts a replayed journal."""
+        """Load (or with ``fresh``, discard) the index; ``tidy`` compacts a replayed journal.
+
+        If the files cannot be trusted (or ``distrust`` says why not), ``rescan(reason)``, if
+        given, supplies the entries instead (slot -> (key, checksum), each slot below
+        ``n_slots``, each key once) and they are snapshotted (with ``tidy``); ``rebuilt`` then
+        holds the reason."""
         self.directory = directory
         self.n_slots = n_slots
         self._io = io
@@ -251,27 +269,40 @@ class DirIndex:
         self._compact_at = _journal_limit(n_slots)
         self.entries: dict[int, Entry] = {}
         self.dropped = 0  # entries found invalid at load (duplicates, out of range)
+        self.rebuilt = ""  # why the entries come from ``rescan``, not the files
         if fresh:
             for name in (SNAP_FILE, JOURNAL_FILE):
                 (directory / name).unlink(missing_ok=True)
         else:
-            self._load()
+            newest, damage = self._load()
+            if (distrust or damage) and rescan is not None:
+                self.rebuilt = distrust or damage
+                self.entries = rescan(self.rebuilt)
+                self.dropped = 0
+                # the next snapshot must outrank every record of the old journal
+                self._gen = max(self._gen, newest)
         self._jfd = io.open(str(directory / JOURNAL_FILE), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         if not tidy:
             return
         try:
             if os.fstat(self._jfd).st_size != self._size:
                 os.ftruncate(self._jfd, self._size)  # a partial record from a crash mid-append
-            if self._records or self.dropped or fresh:
+            if self._records or self.dropped or fresh or self.rebuilt:
                 self._compact_or_defer()
         except BaseException:
             os.close(self._jfd)
             raise
 
     # -- loading ---------------------------------------------------------------------------
-    def _load(self) -> None:
-        snap = _read_snapshot(self.directory / SNAP_FILE)
-        if snap is not None:
+    def _load(self) -> tuple[int, str]:
+        """Load snapshot + journal into ``entries``; return the newest journal generation and
+        why the result cannot be trusted ("" if it can)."""
+        damage = ""
+        path = self.directory / SNAP_FILE
+        snap = _read_snapshot(path)
+        if snap is None:
+            damage = f"{SNAP_FILE} is {'damaged' if path.exists() else 'missing'}"
+        else:
             self._gen, recs = snap
             for slot, key, csum in zip(
                 recs["slot"].tolist(), recs["key"].tolist(), recs["csum"].tolist(), strict=True
@@ -284,14 +315,24 @@ class DirIndex:
         n = len(raw) // REC_BYTES
         self._records = n
         self._size = n * REC_BYTES
+        newest = 0
         if n:
             recs = np.frombuffer(raw, REC_DTYPE, count=n)
             h = xxhash.xxh3_64_intdigest
-            ok = [
-                h(raw[i * REC_BYTES : i * REC_BYTES + _REC_BODY]) == r
-                for i, r in enumerate(recs["rsum"].tolist())
-            ]
-            live = recs[np.asarray(ok, dtype=bool) & (recs["gen"] == self._gen)]
+            ok = np.asarray(
+                [
+                    h(raw[i * REC_BYTES : i * REC_BYTES + _REC_BODY]) == r
+                    for i, r in enumerate(recs["rsum"].tolist())
+                ],
+                dtype=bool,
+            )
+            good = np.flatnonzero(ok)
+            if good.size:
+                newest = int(recs["gen"][good].max())
+                # a crash tears only the end; a bad record before a good one is damage
+                if not ok[: good[-1]].all():
+                    damage = damage or f"{JOURNAL_FILE} has a damaged record"
+            live = recs[ok & (recs["gen"] == self._gen)]
             for op, slot, key, csum in zip(
                 live["op"].tolist(),
                 live["slot"].tolist(),
@@ -316,6 +357,7 @@ class DirIndex:
                 del self.entries[prev]
                 self.dropped += 1
             seen[key] = slot
+        return newest, damage
 
     # -- updates ---------------------------------------------------------------------------
     def record_put(self, items: list[tuple[int, bytes, int]]) -> None:
