@@ -17,6 +17,7 @@ import pytest
 from kvtier.layout import KVLayout
 from kvtier.store import TieredStore
 from kvtier.tiers.base import Tier
+from kvtier.tiers.breaker import CircuitBreaker
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.redis import RedisOptions, RedisTier
 from kvtier.tiers.s3 import S3Options, S3Tier
@@ -140,3 +141,49 @@ def test_store_keeps_serving_from_host_while_shared_tier_is_down(
         assert not shared.healthy
     finally:
         store.close()
+
+
+def test_breaker_is_healthy_again_when_the_trial_is_due() -> None:
+    """``healthy`` answers "would a call reach the server now?" (a fake clock, no server)."""
+    now = [0.0]
+    breaker = CircuitBreaker("b", cooldown_s=5.0, clock=lambda: now[0])
+
+    def boom() -> bool:
+        raise OSError("down")
+
+    assert breaker.call(boom, False, (OSError,)) is False and not breaker.healthy
+    now[0] = 4.9
+    assert not breaker.healthy and breaker.call(lambda: True, False) is False  # skipped
+    now[0] = 5.0
+    assert breaker.healthy  # half-open: the next call is the trial; asking claims nothing
+    assert breaker.healthy and breaker.call(boom, False, (OSError,)) is False
+    assert not breaker.healthy and breaker.trips == 2  # the failed trial reopened it
+    now[0] = 10.0
+    assert breaker.healthy and breaker.call(lambda: True, False) is True and breaker.healthy
+
+
+def test_redis_tier_reports_healthy_when_its_trial_is_due(redis_proc: ServerProcess) -> None:
+    """A node whose only traffic is write-through (planned for healthy tiers only) must get to
+    make the trial call: ``healthy`` turns True once the cooldown elapsed, even while the server
+    is still down; the failed trial turns it False; once the server is back, the trial works."""
+    tier = _redis(redis_proc)
+    try:
+        k, b = rand_key(), rand_block(seed=3)
+        assert tier.put([k], [b]) == [True] and tier.healthy
+        redis_proc.kill()
+        assert tier.put([rand_key()], [b]) == [False] and not tier.healthy
+        time.sleep(COOLDOWN_S + 0.2)
+        assert tier.healthy  # still down, but the trial is due
+        trips = tier.breaker.trips
+        assert tier.put([rand_key()], [b]) == [False]  # the trial fails
+        assert not tier.healthy and tier.breaker.trips == trips + 1
+        redis_proc.start()
+        assert not tier.healthy  # back, but nothing tried it yet: still cooling down
+        time.sleep(COOLDOWN_S + 0.2)
+        assert tier.healthy
+        k2 = rand_key()
+        assert tier.put([k2], [b]) == [True] and tier.healthy  # the trial is a write
+        out = empty_block()
+        assert tier.get_into([k2], [out]) == [True] and out.tobytes() == b.tobytes()
+    finally:
+        tier.close()

@@ -142,6 +142,7 @@ def test_from_config_via_registry(redis_url: str) -> None:
         ({"cluster": ["nohost"]}, "host:port"),
         ({"encryption_key": "zz"}, "hex"),
         ({"timeout": 0}, "timeout"),
+        ({"url": "http://127.0.0.1:6379"}, "url"),
     ],
 )
 def test_bad_config_names_the_problem(spec: dict[str, Any], needle: str) -> None:

@@ -9,7 +9,13 @@ States::
 
 While *open* every call is skipped at once and answered with the caller's fallback (a miss,
 ``False``); the tier reports ``healthy`` False. After the cool-down exactly one caller is let
-through as a trial; the others keep getting the fallback until it has finished. The timeout
+through as a trial; the others keep getting the fallback until it has finished.
+
+``healthy`` answers "would a call reach the server now?": True while closed, and True again as
+soon as the cool-down has elapsed (half-open, no trial yet in flight) even though nothing has
+touched the server since -- the next call *is* the trial. Callers that only send work to
+healthy tiers (write-through planning) must see this, or a node whose sole traffic is such work
+would never make the trial call and never resume. A failed trial turns it False again. The timeout
 itself is the client's (socket / read timeouts configured by the tier), so the worst cost of an
 outage to one caller is one timeout, and to everyone else nothing.
 
@@ -51,8 +57,13 @@ class CircuitBreaker:
 
     @property
     def healthy(self) -> bool:
-        """True while closed (the last call to the server succeeded)."""
-        return self._open_until is None
+        """True while closed, or half-open with no trial in flight (the next call is the trial).
+
+        A query: it claims nothing, so the trial still goes to whichever caller comes first."""
+        with self._lock:
+            return self._open_until is None or (
+                not self._trial_running and self._clock() >= self._open_until
+            )
 
     def allow(self) -> bool:
         """May the caller touch the server now? (``True`` when closed or for the one trial.)"""

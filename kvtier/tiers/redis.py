@@ -25,12 +25,23 @@ Replies are parsed by hiredis; the payload is copied (and checksummed) once, fro
 the caller's buffer.
 
 **Failures.** Socket timeouts bound each call (``timeout``, ``connect_timeout``); redis-py retries
-are off. Any Redis or socket error opens a ``CircuitBreaker``: the tier answers misses / False at
-once for ``cooldown`` seconds, reports ``healthy`` False, then lets one trial call through.
+are off. Two kinds of error, told apart by ``refused``:
+
+- *The server is not serving* (no connection, timeout, ``LOADING``, ``CLUSTERDOWN``, a cluster
+  that cannot be reached at all -- redis-py's ``RedisClusterException``, which is no
+  ``RedisError`` --, failed AUTH): a ``CircuitBreaker`` opens; the tier answers misses / False at
+  once for ``cooldown`` seconds, reports ``healthy`` False, then lets one trial call through
+  (``healthy`` is True again once the trial is due: see ``breaker``).
+- *The server refused one request* (``OOM`` on a write when it is full with ``noeviction``,
+  ``WRONGTYPE``, ``READONLY``, ``NOPERM``, ...): that block is a miss / not stored, counted in
+  ``refusals`` and logged once per kind; the breaker is not touched, so reads go on while writes
+  are refused. Pipelines run with ``raise_on_error=False``, so one refused key of a batch does
+  not cost the others. A value of another Redis type at a block's key (``WRONGTYPE``) is not a
+  block: it is deleted, like an undecodable value.
 
 Config (``[[tiers]] kind = "redis"``)::
 
-    url = "redis://127.0.0.1:6379/0"     # or rediss:// for TLS; user:password@ for AUTH/ACL
+    url = "redis://127.0.0.1:6379/0"     # rediss:// for TLS, unix:///path; user:password@ for AUTH
     cluster = ["10.0.0.1:7000", ...]     # startup nodes: Redis Cluster mode (url then unused)
     username = "kv" ; password = "..."   # override the URL's credentials
     tls = false ; tls_ca_file = "" ; tls_cert_file = "" ; tls_key_file = "" ; tls_verify = true
@@ -43,15 +54,29 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import redis
 import redis.cluster
 from redis.backoff import NoBackoff
-from redis.connection import Connection, PythonRespSerializer, SSLConnection, parse_url
+from redis.connection import (
+    Connection,
+    PythonRespSerializer,
+    SSLConnection,
+    UnixDomainSocketConnection,
+    parse_url,
+)
+from redis.exceptions import (
+    AskError,
+    AuthenticationWrongNumberOfArgsError,
+    ClusterError,
+    RedisClusterException,
+    ResponseError,
+)
 from redis.retry import Retry
 
 from kvtier.config import parse_bool, parse_float, parse_int, parse_size
@@ -64,8 +89,15 @@ from kvtier.tiers.secure import BlockSealer, TenantQuotas, tenant_token
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 HashTag = Literal["tenant", "block"]
-_ERRORS: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+#: what a server call can raise: redis-py's errors, socket errors, and the Cluster client's own
+#: exceptions, which are no RedisError ("Redis Cluster cannot be connected", SlotNotCoveredError)
+_ERRORS: tuple[type[BaseException], ...] = (redis.RedisError, RedisClusterException, OSError)
+#: error replies that still mean the cluster is not serving (CLUSTERDOWN, MASTERDOWN, a MOVED or
+#: ASK left over after redirection, an AUTH the server does not understand)
+_NOT_SERVING = (ClusterError, AskError, AuthenticationWrongNumberOfArgsError)
+_URL_SCHEMES = ("redis://", "rediss://", "unix://")
 # Longest present prefix, in one command: stops at the first missing key.
 _PREFIX_LUA = """
 for i = 1, #KEYS do
@@ -75,8 +107,36 @@ return #KEYS
 """
 
 
+def refused(exc: BaseException) -> bool:
+    """Did the server answer this one request with an error (``OOM`` on a write, ``WRONGTYPE``,
+    ``READONLY``, ``NOPERM``, ...)? That is the request's outcome, not an outage: the server is
+    up and answering, so it must not open the breaker. Anything else (connection, timeout,
+    ``LOADING``, ``CLUSTERDOWN``, cluster unreachable, AUTH) means the server is not serving."""
+    return isinstance(exc, ResponseError) and not isinstance(exc, _NOT_SERVING)
+
+
+def _ok(reply: Any) -> bool:
+    """A pipeline reply that is truthy and not a refused command's error."""
+    return not isinstance(reply, Exception) and bool(reply)
+
+
+def masked(url: str) -> str:
+    """``url`` for messages: everything up to its last ``@`` but a username is ``***``."""
+    return re.sub(
+        r"^([A-Za-z][A-Za-z0-9+.-]*://)?(.*)@",
+        lambda m: (m[1] or "") + (m[2].split(":", 1)[0] + ":***" if ":" in m[2] else "***") + "@",
+        url,
+        flags=re.DOTALL,
+    )
+
+
 class _ZeroCopyMixin:
-    """Pack commands with the pure-Python RESP serializer: large values go out as memoryviews."""
+    """Pack commands with the pure-Python RESP serializer: large values go out as memoryviews.
+
+    Also: an error reply while a connection is set up (``SELECT`` of a db the server does not
+    have, ``HELLO``, a ``NOPERM`` for it) is a ``ConnectionError``: the server will not serve
+    this client at all, which is an outage for the breaker, not one refused request.
+    """
 
     _buffer_cutoff: int
     encoder: Any
@@ -84,12 +144,22 @@ class _ZeroCopyMixin:
     def _construct_command_packer(self, packer: Any) -> Any:
         return packer or PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
 
+    def on_connect_check_health(self, check_health: bool = True) -> None:
+        try:
+            super().on_connect_check_health(check_health)  # type: ignore[misc]
+        except ResponseError as exc:
+            raise redis.ConnectionError(f"connection set-up refused: {exc}") from exc
+
 
 class _ZeroCopyConnection(_ZeroCopyMixin, Connection):
     pass
 
 
 class _ZeroCopySSLConnection(_ZeroCopyMixin, SSLConnection):
+    pass
+
+
+class _ZeroCopyUnixConnection(_ZeroCopyMixin, UnixDomainSocketConnection):
     pass
 
 
@@ -114,11 +184,17 @@ class RedisOptions:
             raise ConfigError("redis tier: timeout and connect_timeout must be > 0 seconds")
         for node in self.cluster:
             host, _, port = node.rpartition(":")
-            if not host or not port.isdigit():
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ConfigError(f"redis tier: cluster node {node!r} is not 'host:port'")
+        if not self.cluster:
+            pool = self._pool()  # ConfigError if the URL is not a Redis URL
+            try:  # builds a connection object, does not connect: rejects bad URL options now
+                pool.make_connection()
+            except (TypeError, ValueError, redis.RedisError) as exc:
+                raise ConfigError(f"redis tier: url {masked(self.url)!r}: {exc}") from None
 
-    def connect(self) -> redis.Redis | redis.cluster.RedisCluster:
-        """A client (connects lazily or, for Cluster, now; raises redis errors if unreachable)."""
+    def _common(self, tls: bool) -> dict[str, Any]:
+        """Connection keyword arguments shared by a single server and Cluster nodes."""
         common: dict[str, Any] = {
             "socket_timeout": self.timeout,
             "socket_connect_timeout": self.connect_timeout,
@@ -127,7 +203,6 @@ class RedisOptions:
             common["username"] = self.username
         if self.password is not None:
             common["password"] = self.password
-        tls = self.tls or (not self.cluster and self.url.startswith("rediss://"))
         if tls:
             common.update(
                 ssl_ca_certs=self.tls_ca_file,
@@ -136,24 +211,51 @@ class RedisOptions:
                 ssl_cert_reqs="required" if self.tls_verify else "none",
                 ssl_check_hostname=self.tls_verify,
             )
-        conn_cls = _ZeroCopySSLConnection if tls else _ZeroCopyConnection
-        if self.cluster:
-            nodes = [
-                redis.cluster.ClusterNode(h, int(p))  # type: ignore[no-untyped-call]
-                for h, _, p in (n.rpartition(":") for n in self.cluster)
-            ]
-            # ``url`` makes redis-py build node pools from our kwargs (connection_class included)
-            return redis.cluster.RedisCluster(
-                url=f"redis://{self.cluster[0]}",
-                startup_nodes=nodes,
-                connection_class=conn_cls,
-                retry=Retry(NoBackoff(), 0),
-                **common,
+        return common
+
+    def _pool(self) -> redis.ConnectionPool:
+        """The single server's pool (connects lazily); ``ConfigError`` if ``url`` is not one."""
+        url = self.url
+        if not isinstance(url, str) or not url.startswith(_URL_SCHEMES):
+            shown = masked(url) if isinstance(url, str) else url
+            raise ConfigError(
+                f"redis tier: url {shown!r} must start with redis://, rediss:// or unix://"
             )
-        kw = {k: v for k, v in parse_url(self.url).items() if k != "connection_class"}  # type: ignore[no-untyped-call]
-        kw.update(common)
-        pool = redis.ConnectionPool(connection_class=conn_cls, retry=Retry(NoBackoff(), 0), **kw)
-        return redis.Redis(connection_pool=pool)
+        try:
+            kw = parse_url(url)  # type: ignore[no-untyped-call]
+        except ValueError as exc:
+            raise ConfigError(f"redis tier: url {masked(url)!r}: {exc}") from None
+        unix = kw.pop("connection_class", None) is UnixDomainSocketConnection
+        tls = self.tls or url.startswith("rediss://")
+        if unix and tls:
+            raise ConfigError(f"redis tier: url {masked(url)!r} is a unix socket: tls is not used")
+        conn_cls: type[Connection] | type[UnixDomainSocketConnection] = (
+            _ZeroCopyUnixConnection
+            if unix
+            else _ZeroCopySSLConnection
+            if tls
+            else _ZeroCopyConnection
+        )
+        kw.update(self._common(tls))
+        return redis.ConnectionPool(connection_class=conn_cls, retry=Retry(NoBackoff(), 0), **kw)
+
+    def connect(self) -> redis.Redis | redis.cluster.RedisCluster:
+        """A client (connects lazily or, for Cluster, now; raises ``_ERRORS`` if unreachable)."""
+        if not self.cluster:
+            return redis.Redis(connection_pool=self._pool())
+        conn_cls = _ZeroCopySSLConnection if self.tls else _ZeroCopyConnection
+        nodes = [
+            redis.cluster.ClusterNode(h, int(p))  # type: ignore[no-untyped-call]
+            for h, _, p in (n.rpartition(":") for n in self.cluster)
+        ]
+        # ``url`` makes redis-py build node pools from our kwargs (connection_class included)
+        return redis.cluster.RedisCluster(
+            url=f"redis://{self.cluster[0]}",
+            startup_nodes=nodes,
+            connection_class=conn_cls,
+            retry=Retry(NoBackoff(), 0),
+            **self._common(self.tls),
+        )
 
 
 class RedisTier(RemoteTier):
@@ -194,6 +296,9 @@ class RedisTier(RemoteTier):
         self._client: redis.Redis | redis.cluster.RedisCluster | None = None
         self._script: Any = None
         self._lock = threading.Lock()
+        #: requests the server refused (see ``refused``): misses / puts not stored, breaker closed
+        self.refusals = 0
+        self._refusal_kinds: set[str] = set()
 
     @classmethod
     def from_config(cls, layout: KVLayout, spec: Mapping[str, Any]) -> RedisTier:
@@ -255,6 +360,40 @@ class RedisTier(RemoteTier):
     def _pipeline(self) -> Any:
         return self.client().pipeline(transaction=False)
 
+    def _execute(self, pipe: Any) -> list[Any]:
+        """Run ``pipe``: one reply per command, a refused command's error in its place. Raises
+        the first error that means the server is not serving (for ``guard``'s breaker)."""
+        replies = list(pipe.execute(raise_on_error=False))
+        for r in replies:
+            if isinstance(r, Exception) and not refused(r):
+                raise r
+        return replies
+
+    def guard(self, fn: Callable[[], T], fallback: T) -> T:
+        """``RemoteTier.guard``; a request the server ``refused`` is ``fallback`` too, but
+        leaves the breaker closed (the server answered)."""
+
+        def call() -> T:
+            try:
+                return fn()
+            except ResponseError as exc:
+                if not refused(exc):
+                    raise
+                self._refused(exc)
+                return fallback
+
+        return super().guard(call, fallback)
+
+    def _refused(self, exc: Exception) -> None:
+        """Count a refused request; log the first of each kind (a full server refuses every put)."""
+        kind = f"{type(exc).__name__} {str(exc).split(' ', 1)[0]}"
+        with self._lock:
+            self.refusals += 1
+            first = kind not in self._refusal_kinds
+            self._refusal_kinds.add(kind)
+        if first:
+            log.warning("redis tier: server refused a request (%s): a miss / not stored", exc)
+
     def _chunks(self, n: int) -> list[range]:
         return [range(i, min(n, i + self._batch)) for i in range(0, n, self._batch)]
 
@@ -286,8 +425,8 @@ class RedisTier(RemoteTier):
             pipe = self._pipeline()
             for n in names:
                 pipe.exists(n)
-            found = pipe.execute()
-            return next((i for i, f in enumerate(found) if not f), len(found))
+            found = self._execute(pipe)
+            return next((i for i, f in enumerate(found) if not _ok(f)), len(found))
 
         return self.guard(probe, 0)
 
@@ -301,17 +440,23 @@ class RedisTier(RemoteTier):
         for chunk in self._chunks(len(keys)):
             names = [self.redis_key(keys[i], tenant) for i in chunk]
 
-            def fetch(names: list[str] = names) -> list[bytes | None]:
+            def fetch(names: list[str] = names) -> list[Any]:
                 pipe = self._pipeline()
                 for n in names:
                     pipe.get(n)
-                return list(pipe.execute())
+                return self._execute(pipe)
 
-            values: list[bytes | None] = self.guard(fetch, [])
+            values: list[Any] = self.guard(fetch, [])
             if not values:
                 break  # server down: the rest are misses too
             for i, name, value in zip(chunk, names, values, strict=True):
                 if value is None:
+                    continue
+                if isinstance(value, Exception):  # refused: a miss
+                    self._refused(value)
+                    if str(value).startswith("WRONGTYPE"):  # not a string: not a block
+                        log.warning("redis tier: %s holds no block (WRONGTYPE): dropped", name)
+                        bad.append(name)
                     continue
                 ok = self.sealer.open_into(keys[i], value, outs[i], tenant)
                 result[i] = ok
@@ -349,13 +494,16 @@ class RedisTier(RemoteTier):
                 pipe = self._pipeline()
                 for _, name, value in batch:
                     pipe.set(name, value, nx=True, ex=self.ttl_s or None)
-                return list(pipe.execute())
+                return self._execute(pipe)
 
             replies: list[Any] = self.guard(store, [])
             for j, (i, _, _) in enumerate(batch):
-                stored = bool(replies[j]) if replies else False
-                result[i] = stored or bool(replies)  # None reply: already present, kept
-                if not stored:
+                reply = replies[j] if replies else None
+                if isinstance(reply, Exception):  # refused (OOM: the server is full)
+                    self._refused(reply)
+                # None reply: already present, kept (True); no replies: server down (False)
+                result[i] = bool(replies) and not isinstance(reply, Exception)
+                if not _ok(reply):
                     self.refund(tenant)
         return result
 
@@ -367,7 +515,7 @@ class RedisTier(RemoteTier):
             pipe = self._pipeline()
             for n in names:
                 pipe.exists(n)
-            return {i for i, f in zip(chunk, pipe.execute(), strict=True) if f}
+            return {i for i, f in zip(chunk, self._execute(pipe), strict=True) if _ok(f)}
 
         return self.guard(probe, None)
 
@@ -375,7 +523,7 @@ class RedisTier(RemoteTier):
         pipe = self._pipeline()
         for n in names:
             pipe.delete(n)
-        return [int(x) for x in pipe.execute()]
+        return [1 if _ok(x) else 0 for x in self._execute(pipe)]
 
     def delete(self, keys: Sequence[BlockKey], tenant: str = "") -> None:
         if not keys:
