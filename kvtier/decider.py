@@ -29,12 +29,17 @@ class Counters:
 
     ``hit_tokens`` / ``miss_tokens``: of the full-block tokens each ``load`` asked for, those it
     served and those it did not (not cached, or dropped as lost or corrupt); ``token_hit_ratio``
-    in ``stats()`` is hits over both. ``invalid_blocks``: blocks the index listed as present
-    that a tier could not return verified (lost or corrupt), not blocks an eviction was already
-    taking away.
+    in ``stats()`` is hits over both. ``lookup_tokens`` / ``lookup_hit_tokens``: the full-block
+    tokens each ``lookup`` asked about and found; ``lookup_hit_ratio`` in ``stats()`` is the
+    request-level hit ratio for an engine that looks a prompt up, then loads what was found
+    (the HF integration, vLLM-style connectors), whose loads never miss. ``invalid_blocks``:
+    blocks the index listed as present that a tier could not return verified (lost or
+    corrupt), not blocks an eviction was already taking away.
     """
 
     lookups: int = 0
+    lookup_tokens: int = 0
+    lookup_hit_tokens: int = 0
     loads: int = 0
     hit_tokens: int = 0
     miss_tokens: int = 0

@@ -131,9 +131,17 @@ class BlockIndex:
         self._forget_if_empty(key, e)
 
     def touch(self, keys: Sequence[BlockKey], tier: int) -> None:
+        """Hits on ``keys`` in ``tier`` (a load)."""
         policy = self.policies[tier]
         if policy is not None and keys:
             policy.access(keys)
+
+    def refresh(self, keys: Sequence[BlockKey], tier: int) -> None:
+        """``keys`` are the cached parents of blocks just stored: no hit (``EvictionPolicy.
+        refresh``), only order, so a parent outlives its children."""
+        policy = self.policies[tier]
+        if policy is not None and keys:
+            policy.refresh(keys)
 
     def pin(self, keys: Sequence[BlockKey]) -> None:
         for key in keys:

@@ -93,10 +93,14 @@ class TieredStore(ReadPath):
                 if e is None or not e.tiers:
                     break
                 n += 1
+        n += len(self._shared_extension(ns, toks, n, limit))
+        bt = self.layout.block_tokens
+        with self._lock:
             for cnt in self._decider.counted(ns.tenant):
                 cnt.lookups += 1
-        n += len(self._shared_extension(ns, toks, n, limit))
-        return n * self.layout.block_tokens
+                cnt.lookup_tokens += limit * bt
+                cnt.lookup_hit_tokens += n * bt
+        return n * bt
 
     def locate(self, tokens: Any, tenant: str | None = None) -> list[str]:
         """Name of the fastest tier holding each leading cached block."""
@@ -168,10 +172,10 @@ class TieredStore(ReadPath):
         finally:
             with self._lock:
                 self._index.unpin(held)
-                # an access of the cached part, after the new blocks: parents outlive their
-                # children (new blocks stay unhit: this is their admission)
+                # the cached part is reordered after the new blocks, so parents outlive their
+                # children; not a hit: it was counted when loaded, or stored by this request
                 in_first = [k for k in held if (e := self._index.entries.get(k)) and e.tiers & 1]
-                self._index.touch(in_first, 0)
+                self._index.refresh(in_first, 0)
         return written * self.layout.block_tokens
 
     def _store_blocks(
@@ -251,8 +255,11 @@ class TieredStore(ReadPath):
                 for t, pol in zip(self.tiers, self._index.policies, strict=True)
                 if pol is not None
             }
-        looked = store["hit_tokens"] + store["miss_tokens"]
-        store["token_hit_ratio"] = store["hit_tokens"] / looked if looked else 0.0
+        for c in (store, *tenants.values()):
+            loaded = c["hit_tokens"] + c["miss_tokens"]
+            c["token_hit_ratio"] = c["hit_tokens"] / loaded if loaded else 0.0
+            asked = c["lookup_tokens"]
+            c["lookup_hit_ratio"] = c["lookup_hit_tokens"] / asked if asked else 0.0
         return {
             "store": store,
             "tenants": tenants,

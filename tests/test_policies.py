@@ -70,6 +70,26 @@ class PolicyContract:
             kept = [k for k in chain if k in q]
             assert kept == chain[: len(kept)], f"{self.name} dropped a parent before its child"
 
+    def test_refreshed_parents_outlive_the_children_stored_after_them(self) -> None:
+        """A cached prefix, then new blocks extending it (cold ones included: a class that is
+        never reused), then ``refresh`` of the prefix: victims come from the new blocks first."""
+        for hint in (None, "dead"):
+            q = self.make(capacity=64)
+            for i in range(60):  # teach S3-FIFO that "dead" blocks are never reused
+                q.insert([1000 + i], "dead")
+                q.insert([3000 + i], "doc")
+                q.insert([3000 + i], "doc")  # and "doc" blocks always are
+            q.evict(len(q), always)
+            prefix, extension = [10, 11, 12], [13, 14, 15]
+            q.insert(prefix, hint)
+            q.insert(extension, hint)
+            q.refresh(prefix)
+            for n in range(1, 7):
+                victims = q.evict(1, always)
+                assert victims is not None
+                kept = [k for k in prefix + extension if k in q]
+                assert kept == (prefix + extension)[: len(kept)], f"{self.name}, {hint}, {n}"
+
     def test_victims_are_forgotten(self) -> None:
         p = self.make(capacity=4)
         p.insert([1, 2, 3, 4])

@@ -140,8 +140,16 @@ def test_load_misses_count_in_the_token_hit_ratio_per_tenant() -> None:
         s = st.stats()
         a = s["tenants"]["a"]
         assert (a["loads"], a["hit_tokens"], a["miss_tokens"]) == (2, 2 * bt, 6 * bt)
-        assert s["store"]["token_hit_ratio"] == 0.25
+        assert s["store"]["token_hit_ratio"] == 0.25 == a["token_hit_ratio"]
         assert a["skipped_blocks"] == 2 and s["tenants"]["b"]["lookups"] == 1
+        # lookups: the request-level ratio of an engine that loads only what lookup found
+        st.lookup([*cached, *range(900, 900 + 2 * bt)], tenant="a")
+        a = st.stats()["tenants"]["a"]
+        assert (a["lookup_tokens"], a["lookup_hit_tokens"], a["lookup_hit_ratio"]) == (
+            4 * bt,
+            2 * bt,
+            0.5,
+        )
 
 
 def test_a_block_an_eviction_is_removing_is_a_miss_not_a_loss() -> None:

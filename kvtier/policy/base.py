@@ -45,6 +45,14 @@ class EvictionPolicy(ABC, Generic[K]):
     def access(self, keys: Sequence[K]) -> None:
         """Record hits on resident keys, given in prefix order (parent first)."""
 
+    def refresh(self, keys: Sequence[K]) -> None:
+        """Resident ``keys`` (prefix order) are the cached parents of keys just inserted: order
+        them so they outlive those children, *without* counting a hit (the store calls this
+        when a request stores a chain whose prefix it already holds: that prefix was counted
+        when it was loaded, or stored earlier by the same request). By default an ``access``,
+        right for policies where an access is only recency."""
+        self.access(keys)
+
     @abstractmethod
     def remove(self, key: K) -> None:
         """Forget ``key`` (deleted or moved out by someone else); absent keys are ignored."""

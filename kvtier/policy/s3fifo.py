@@ -226,6 +226,22 @@ class S3FIFO(EvictionPolicy[K]):
                     self._classes.reused(f >> LABEL_SHIFT)
                     freq[k] = 1
 
+    def refresh(self, keys: Sequence[K]) -> None:
+        """Move resident ``keys`` behind everything in their queue, leaf first (the root ends
+        last), counters untouched; a cold one moves to probation's back (a parent of stored
+        blocks must not be a first victim before them)."""
+        freq, small, cold, main = self._freq, self._small, self._cold, self._main
+        for k in reversed(keys):
+            if k not in freq:
+                continue
+            if k in main:
+                main.move_to_end(k)
+            elif k in cold:
+                del cold[k]
+                small[k] = None
+            elif k in small:
+                small.move_to_end(k)
+
     def remove(self, key: K) -> None:
         f = self._freq.pop(key, None)
         if f is None:
