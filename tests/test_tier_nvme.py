@@ -197,6 +197,7 @@ def test_check_fix_drops_bad_slots(tmp_path: Path) -> None:
     d = path.parent
     found = check_dir(d)
     assert (found.ok, found.torn, found.orphan, found.foreign) == (1, 1, 1, 1)
+    assert found.problems == 2  # an orphan is what a delete leaves: not a problem
     assert check_dir(d, fix=True).fixed == 3
     clean = check_dir(d)
     assert (clean.ok, clean.problems, clean.free) == (1, 0, 7)
@@ -351,12 +352,16 @@ def test_check_command_reports_and_fixes(
     from kvtier.cli.main import main
 
     tier = open_tier(tmp_path, n_dirs=1)
-    tier.put([rand_key()], [rand_block()])
+    kept, evicted = rand_key(), rand_key()
+    tier.put([kept, evicted], [rand_block(), rand_block(seed=1)])
+    tier.delete([evicted])  # an orphan: a clean directory still passes
     tier.close()
     d = str(dirs(tmp_path, 1)[0])
+    assert main(["check", d]) == 0
+    assert "1 ok, 0 torn, 1 orphan, 0 foreign" in capsys.readouterr().out
     patch_file(Path(d) / SLOTS_FILE, 5 * SLOT, b"junk")
     assert main(["check", d]) == 1
-    assert "1 ok, 0 torn, 0 orphan, 1 foreign" in capsys.readouterr().out
+    assert "1 ok, 0 torn, 1 orphan, 1 foreign" in capsys.readouterr().out
     assert main(["check", "--fix", d]) == 0
     assert main(["check", "--json", d]) == 0
     assert '"foreign": 0' in capsys.readouterr().out.splitlines()[-1]

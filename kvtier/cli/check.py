@@ -1,7 +1,8 @@
 """``kvtier check DIR [DIR ...] [--fix] [--json]``: verify NVMe tier directories.
 
-Exit status 0 when every directory is clean (or was fixed), 1 when torn, orphan or foreign
-slots were found and ``--fix`` was not given. See ``kvtier.tiers.nvme_check`` for the states.
+Exit status 0 when every directory is clean (or was fixed), 1 when torn or foreign slots were
+found and ``--fix`` was not given; orphan slots (left by evictions, harmless) are reported but
+are not a failure. See ``kvtier.tiers.nvme_check`` for the states.
 """
 
 from __future__ import annotations

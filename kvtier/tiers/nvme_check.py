@@ -124,7 +124,9 @@ class CheckReport:
 
     @property
     def problems(self) -> int:
-        return self.torn + self.orphan + self.foreign
+        """Torn and foreign slots: damage or data that is not this tier's. Orphans are not
+        counted: they are what evictions and crashes normally leave (harmless, reused)."""
+        return self.torn + self.foreign
 
     def as_dict(self) -> dict[str, int | str]:
         return asdict(self)
