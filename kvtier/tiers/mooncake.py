@@ -28,9 +28,16 @@ Mooncake behaviours this tier is built around:
   content-addressed keys, so "already there" is success and nothing ever relies on overwrite.
 - The pool evicts silently when full (and refuses puts until it has): misses and ``False``.
 - A master restart without HA loses every key: misses, no exception; clients re-mount.
-- A dead master costs one failed RPC (~4 s to reconnect), a hung one ``rpc_timeout_s``; then
-  the circuit breaker skips the tier (``healthy`` False, all misses) and lets one trial call
-  through every ``cooldown_s``.
+- An outage costs one caller one failed call: at once for a dead master (its connection is
+  reset), ``rpc_timeout_s`` for a hung one. From then on every call is a miss at once
+  (``healthy`` False) while a background ``Prober`` checks every ``cooldown_s`` -- a TCP
+  connect, then one existence query -- and puts the tier back when the master answers. The
+  client's own reconnect (~4 s per call against a dead master, whatever ``rpc_timeout_s``
+  says) so runs on the prober's thread, not a caller's. The prober also sets the client up:
+  construction waits at most ``rpc_timeout_s`` for it, and not at all for a master that
+  refuses connections.
+- Per-key outcomes (not found, no space, a lease, a foreign size, a refused key) are that
+  key's miss; only an unreachable master takes the tier out of service.
 - Objects carry a lease (default 10 s) after each put/get, so ``delete`` removes with ``force``;
   a reader racing a forced removal can only see bytes that fail verification (a miss).
 
@@ -42,9 +49,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -57,18 +65,22 @@ from kvtier.tiers.base import Array, TierUsage
 from kvtier.tiers.mooncake_engine import (
     BUFFER_TOO_SMALL,
     TRANSFER_FAIL,
+    Prober,
     Registrations,
     ServerDown,
     StagingArena,
     check_down,
     connect,
+    master_endpoint,
     package_binary,
+    reachable,
 )
 from kvtier.tiers.remote import RemoteTier, flat_bytes
 from kvtier.tiers.secure import BlockSealer, TenantQuotas, tenant_token
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 _TRACK_MAX = 1 << 20  # keys remembered for usage(); the oldest are forgotten beyond this
 __all__ = ["MooncakeTier", "package_binary"]
 
@@ -108,6 +120,7 @@ class MooncakeTier(RemoteTier):
             raise ConfigError(f"mooncake tier protocol must be 'tcp' or 'rdma', got {protocol!r}")
         if replicas < 1:
             raise ConfigError(f"mooncake tier replicas must be >= 1, got {replicas}")
+        self._endpoint = master_endpoint(master)
         self.master = master
         self.replicas = replicas
         self.rpc_timeout_s = rpc_timeout_s
@@ -129,7 +142,9 @@ class MooncakeTier(RemoteTier):
         self._closed = False
         self._client: Any = None
         self._replicate: Any = None
-        self._connect()
+        self._prober = Prober(f"kvtier-mooncake-{master}", self._attempt, self.breaker)
+        weakref.finalize(self, self._prober.close)  # a tier dropped without close()
+        self._prober.start(rpc_timeout_s)
 
     @classmethod
     def from_config(cls, layout: KVLayout, spec: Mapping[str, Any]) -> MooncakeTier:
@@ -137,9 +152,10 @@ class MooncakeTier(RemoteTier):
 
         Also ``metadata_server`` (default "P2PHANDSHAKE"), ``local_hostname`` (this node's
         address as other nodes reach it), ``rdma_devices``, ``buffer_size`` (staging arena),
-        ``prefix``, ``replicas``, ``cooldown_s``, ``rpc_timeout_s`` (a hung master costs this
-        much per call; a dead one ~4 s, the client's connect timeout) and the security keys of
-        ``tiers.secure``.
+        ``prefix``, ``replicas``, ``cooldown_s`` (how often an unreachable master is checked,
+        off the callers' threads), ``rpc_timeout_s`` (what a hung master costs the one call that
+        finds out) and the security keys of ``tiers.secure``. A ``master`` that is no
+        ``host:port`` is a ``ConfigError``; one that is down is an outage (misses).
         """
         section = "tiers.mooncake"
         allowed = {
@@ -176,33 +192,55 @@ class MooncakeTier(RemoteTier):
         )
 
     # -- connection --------------------------------------------------------------------------
+    def _attempt(self) -> None:
+        """The prober's work (never a caller's): set up the client, or ask the master one cheap
+        question once there is one. Raises ``ServerDown`` while it is unreachable."""
+        if not reachable(self._endpoint, self.rpc_timeout_s):
+            raise ServerDown(f"master {self.master} does not accept connections")
+        if self._client is None:
+            self._connect()
+            return
+        codes = self._client.batch_is_exist([f"{self.prefix}/.probe"])
+        self._check_down(codes)
+
     def _connect(self) -> None:
-        """Create and set up the client; on failure the breaker opens and a later call retries."""
+        """Create and set up the client; ``ServerDown`` if the master did not answer."""
         from mooncake.store import ReplicateConfig
 
         client, rc = connect(self._setup_args, self.rpc_timeout_s)
         if rc != 0:
-            self.breaker.failed(ServerDown(f"setup with master {self.master} returned {rc}"))
-            return
+            raise ServerDown(f"setup with master {self.master} returned {rc}")
         if client.register_buffer(self._staging.base, self._staging.arena.nbytes) != 0:
             client.close()
             raise ConfigError("mooncake tier: the transfer engine refused the staging buffer")
         cfg = ReplicateConfig()
         cfg.replica_num = self.replicas
-        self._replicate = cfg
-        self._client = client
+        with self._lock:
+            if self._closed:  # closed while setting up: the client never served
+                client.unregister_buffer(self._staging.base)
+                client.close()
+                return
+            self._replicate = cfg
+            self._client = client
 
     def _ready(self) -> Any:
-        """The set-up client (connecting now if an earlier setup failed), or raise ServerDown."""
-        if self._closed:
-            raise ServerDown("tier closed")
-        if self._client is None:
-            with self._lock:
-                if self._client is None:
-                    self._connect()
-            if self._client is None:
-                raise ServerDown(f"no connection to master {self.master}")
-        return self._client
+        """The set-up client, or raise ServerDown."""
+        client = self._client
+        if client is None:
+            raise ServerDown(f"no connection to master {self.master}")
+        return client
+
+    def guard(self, fn: Callable[[], T], fallback: T) -> T:
+        """``fn()``, or ``fallback`` at once while the master is known to be unreachable. A call
+        that finds it unreachable (``ServerDown``) is ``fallback`` too and hands recovery to the
+        prober; no caller makes a trial call."""
+        if not self._prober.allow():
+            return fallback
+        try:
+            return fn()
+        except ServerDown as exc:
+            self._prober.lost(exc)
+            return fallback
 
     def _check_down(self, codes: Sequence[int]) -> None:
         check_down(self._client, codes, self.master)
@@ -214,7 +252,8 @@ class MooncakeTier(RemoteTier):
     def register(self, buf: Array) -> bool:
         """Register a long-lived buffer (a host arena, an engine's KV pool) with the transfer
         engine until ``unregister``/``close``. Blocks inside it then move without the per-call
-        registration (which costs ~15% of a 4 MiB transfer over TCP). ``False`` if refused.
+        registration (which costs ~15% of a 4 MiB transfer over TCP). ``False`` if refused, or
+        while the client is not set up yet (the master was down at construction).
 
         The caller keeps ``buf`` alive while it is registered.
         """
@@ -232,7 +271,13 @@ class MooncakeTier(RemoteTier):
     # -- queries -----------------------------------------------------------------------------
     @property
     def healthy(self) -> bool:
-        return self._client is not None and self.breaker.healthy
+        """True while the master answers (set up, and the last call reached it)."""
+        return self._prober.up.is_set()
+
+    @property
+    def skipped(self) -> int:
+        """Calls answered with a miss without touching the master (it was unreachable)."""
+        return self._prober.skipped
 
     def _forget(self, tenant: str, keys: Sequence[BlockKey]) -> None:
         """Drop written-key records (deleted or evicted blocks) and refund their quota."""
@@ -480,11 +525,14 @@ class MooncakeTier(RemoteTier):
         self._forget(tenant, keys)
 
     def close(self) -> None:
-        """Close the client (its mounted segment leaves the pool with it). Idempotent."""
+        """Stop the prober, close the client (its mounted segment leaves the pool with it).
+        Idempotent. Waits for a reconnect attempt in flight (at most about ``rpc_timeout_s``)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+        self._prober.close()
+        with self._lock:
             client, self._client = self._client, None
         if client is not None:
             client.unregister_buffer(self._staging.base)
