@@ -116,11 +116,30 @@ def test_from_config_via_registry(s3_endpoint: str) -> None:
         ({"bucket": "b", "multipart_chunk": "1MiB"}, "5MiB"),
         ({"bucket": "b", "quota": "lots"}, "quota"),
         ({"bucket": "b", "region": "x", "color": 1}, "color"),
+        ({"endpoint_url": "http://127.0.0.1:9000"}, "needs bucket"),
+        ({"bucket": 7}, "bucket: expected a string, got 7"),
+        ({"bucket": "Bad_Bucket!"}, "bucket 'Bad_Bucket!'"),
+        ({"bucket": "b", "endpoint_url": "not a url"}, "endpoint_url 'not a url'"),
+        ({"bucket": "b", "endpoint_url": "127.0.0.1:9000"}, "endpoint_url '127.0.0.1:9000'"),
+        ({"bucket": "b", "endpoint_url": "ftp://h:21"}, "endpoint_url 'ftp://h:21'"),
+        ({"bucket": "b", "region": "us east 1"}, "region 'us east 1'"),
+        ({"bucket": "b", "access_key": "AKIAEXAMPLE"}, "secret_key"),
     ],
 )
 def test_bad_config_names_the_problem(spec: dict[str, Any], needle: str) -> None:
+    """A setting that can never work is a ConfigError at construction, naming key and value
+    (not a ValueError or a TypeError from boto3 on the first request)."""
     with pytest.raises(ConfigError, match=needle):
         S3Tier.from_config(LAYOUT, spec)
+
+
+def test_config_errors_do_not_show_secrets() -> None:
+    with pytest.raises(ConfigError, match=r"endpoint_url 'http://\*\*\*@") as err:
+        S3Tier.from_config(LAYOUT, {"bucket": "b", "endpoint_url": "http://AKIA:s3cr3t@a b"})
+    assert "s3cr3t" not in str(err.value)
+    with pytest.raises(ConfigError, match="secret_key") as err:
+        S3Tier.from_config(LAYOUT, {"bucket": "b", "access_key": "AKIA", "secret_key": 12345})
+    assert "12345" not in str(err.value)
 
 
 def test_foreign_objects_are_misses_and_dropped(s3_endpoint: str) -> None:

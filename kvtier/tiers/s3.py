@@ -26,9 +26,15 @@ miss; the one-round-trip lookup is the Redis tier's job.
 **TTL.** ``ttl_days`` > 0 installs (once, at first connect) a bucket lifecycle rule expiring
 objects under ``<prefix>/`` after that many days, merged with the bucket's other rules.
 
-**Failures.** A missing object is a miss. Any other client or network error opens a
-``CircuitBreaker``: misses / False for ``cooldown`` seconds, ``healthy`` False, then one trial.
-boto3 retries are off and connect/read timeouts are bounded (``timeout``).
+**Failures.** A missing object is a miss. So is a request S3 *refuses* (``refused``: a 4xx
+about that object -- ``AccessDenied``, ``InvalidObjectState`` for an archived one): S3
+answered, the other blocks of the batch are read as usual and the tier stays in service
+(counted in ``refusals``, the first of each code logged). What means no request can succeed now
+-- a network error, a timeout, a 5xx (``InternalError``, ``SlowDown``/503), a 429, a missing
+bucket, refused credentials -- opens a ``CircuitBreaker``: misses / False for ``cooldown``
+seconds, ``healthy`` False, then one trial. boto3 retries are off and connect/read timeouts are
+bounded (``timeout``). A setting that can never work (no bucket, a bucket name or
+``endpoint_url`` S3 cannot take, half a key pair) is a ``ConfigError`` at construction.
 
 Config (``[[tiers]] kind = "s3"``)::
 
@@ -45,15 +51,18 @@ from __future__ import annotations
 import http.client
 import io
 import logging
+import re
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
 import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, IncompleteReadError
+from botocore.utils import is_valid_endpoint_url, is_valid_ipv6_endpoint_url
 
 from kvtier import codec
 from kvtier.config import parse_bool, parse_float, parse_int, parse_size
@@ -70,10 +79,37 @@ T = TypeVar("T")
 _ERRORS: tuple[type[BaseException], ...] = (BotoCoreError, ClientError, OSError)
 _MISSING = {"404", "NoSuchKey", "NotFound"}
 _EXISTS = {"412", "PreconditionFailed", "ConditionalRequestConflict"}
+#: 4xx codes that still mean no request can succeed now: the bucket is gone, the credentials or
+#: the clock are refused, the account is blocked, the connection is too slow
+_TIER_DOWN = frozenset(
+    {"NoSuchBucket", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"}
+    | {"InvalidToken", "TokenRefreshRequired", "RequestTimeTooSkewed", "RequestTimeout"}
+    | {"AccountProblem", "AllAccessDisabled"}
+)
+# what botocore accepts as a bucket (a name, or an access point / outpost ARN)
+_BUCKET_RE = re.compile(r"^([a-zA-Z0-9.\-_]{1,255}|arn:[^\s]+)$")
 
 
 def _code(exc: ClientError) -> str:
     return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def refused(exc: BaseException) -> bool:
+    """Did S3 refuse this one request -- a 4xx about the object (``AccessDenied``, an archived
+    object's ``InvalidObjectState``, a key it will not take)? That is the request's miss: S3 is
+    up and answering, so it must not open the breaker. A 5xx (``InternalError``,
+    ``SlowDown``), a 429, a ``_TIER_DOWN`` code and every network error mean the server cannot
+    serve now. (A HEAD's error has no body, so bad credentials on a lookup read as a plain
+    403, a refusal; the first GET or PUT names them and opens the breaker.)"""
+    if not isinstance(exc, ClientError):
+        return False
+    status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+    return 400 <= status < 500 and status != 429 and _code(exc) not in _TIER_DOWN
+
+
+def masked_url(url: str) -> str:
+    """``url`` with any ``user:password@`` replaced by ``***@``."""
+    return re.sub(r"^([^:/]*://)[^/@]*@", r"\1***@", url)
 
 
 def _http_stream(body: Any) -> http.client.HTTPResponse | None:
@@ -117,6 +153,28 @@ class S3Options:
     def __post_init__(self) -> None:
         if not self.bucket:
             raise ConfigError("s3 tier: bucket is required")
+        if not isinstance(self.bucket, str) or not _BUCKET_RE.match(self.bucket):
+            raise ConfigError(
+                f"s3 tier bucket {self.bucket!r}: not a bucket name S3 accepts "
+                "(letters, digits, '.', '-', '_'; at most 255)"
+            )
+        url = self.endpoint_url
+        if url:
+            ok = isinstance(url, str) and url.split("://", 1)[0].lower() in ("http", "https")
+            if not ok or not (is_valid_endpoint_url(url) or is_valid_ipv6_endpoint_url(url)):
+                raise ConfigError(
+                    f"s3 tier endpoint_url {masked_url(str(url))!r}: expected an http(s) URL "
+                    "such as 'http://10.0.0.5:9000', or empty for AWS"
+                )
+        if not isinstance(self.region, str) or not re.fullmatch(
+            r"(?![0-9]+$)(?!-)[a-zA-Z0-9-]{0,63}(?<!-)", self.region
+        ):
+            raise ConfigError(f"s3 tier region {self.region!r}: expected a name like 'us-east-1'")
+        if bool(self.access_key) != bool(self.secret_key):
+            raise ConfigError(
+                "s3 tier: access_key and secret_key go together; give both, or neither "
+                "(boto3's usual credential chain)"
+            )
         if self.timeout <= 0:
             raise ConfigError(f"s3 tier: timeout must be > 0 seconds, got {self.timeout}")
         if self.workers < 1:
@@ -135,7 +193,7 @@ class S3Options:
         return boto3.session.Session().client(
             "s3",
             endpoint_url=self.endpoint_url or None,
-            region_name=self.region,
+            region_name=self.region or None,
             aws_access_key_id=self.access_key or None,
             aws_secret_access_key=self.secret_key or None,
             config=cfg,
@@ -182,6 +240,10 @@ class S3Tier(RemoteTier):
         self._parts = ThreadPoolExecutor(options.workers, thread_name_prefix="kvtier-s3-part")
         self._client: Any = None
         self._lock = threading.Lock()
+        #: requests S3 refused (``refused``): misses that left the tier in service
+        self.refusals = 0
+        self._refusal_codes: set[str] = set()
+        self._stats_lock = threading.Lock()
 
     @classmethod
     def from_config(cls, layout: KVLayout, spec: Mapping[str, Any]) -> S3Tier:
@@ -204,7 +266,13 @@ class S3Tier(RemoteTier):
             "cooldown",
         }
         sealer, quotas = cls.security_section(layout, spec, "tiers.s3", opt_keys | tier_keys)
+        if "bucket" not in spec:
+            raise ConfigError('[tiers.s3] needs bucket = "<name>" (the bucket blocks go to)')
         opts = {k: spec[k] for k in opt_keys if k in spec}
+        for k in opt_keys - {"timeout", "workers"}:
+            if k in opts and not isinstance(opts[k], str):
+                shown = "***" if k == "secret_key" else repr(opts[k])
+                raise ConfigError(f"tiers.s3 {k}: expected a string, got {shown}")
         if "timeout" in opts:
             opts["timeout"] = parse_float(opts["timeout"], "tiers.s3 timeout")
         if "workers" in opts:
@@ -241,39 +309,79 @@ class S3Tier(RemoteTier):
             return self._client
 
     def _prepare_bucket(self, client: Any) -> None:
+        """Create the bucket (``create_bucket``) and install the TTL rule (``ttl_days``). A step
+        S3 refuses (no permission for it, a name another account owns) is logged and skipped:
+        the tier may still work, and the object requests will say whether it does."""
         bucket = self.options.bucket
         if self.create_bucket:
             try:
-                client.head_bucket(Bucket=bucket)
+                try:
+                    client.head_bucket(Bucket=bucket)
+                except ClientError as exc:
+                    if _code(exc) not in _MISSING | {"NoSuchBucket"}:
+                        raise
+                    client.create_bucket(Bucket=bucket)
             except ClientError as exc:
-                if _code(exc) not in _MISSING | {"NoSuchBucket"}:
-                    raise
-                client.create_bucket(Bucket=bucket)
+                if _code(exc) != "BucketAlreadyOwnedByYou":  # another node was first
+                    self._skip_step(exc, f"creating bucket {bucket}")
         if self.ttl_days:
-            rule_id = f"kvtier-{self.prefix}"
             try:
-                rules = client.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]
-            except ClientError:
-                rules = []  # no configuration yet
-            rules = [r for r in rules if r.get("ID") != rule_id] + [
-                {
-                    "ID": rule_id,
-                    "Status": "Enabled",
-                    "Filter": {"Prefix": self.prefix + "/"},
-                    "Expiration": {"Days": self.ttl_days},
-                }
-            ]
-            client.put_bucket_lifecycle_configuration(
-                Bucket=bucket, LifecycleConfiguration={"Rules": rules}
-            )
+                self._install_ttl(client)
+            except ClientError as exc:
+                self._skip_step(exc, f"installing the {self.ttl_days}-day TTL rule")
+
+    def _install_ttl(self, client: Any) -> None:
+        bucket = self.options.bucket
+        rule_id = f"kvtier-{self.prefix}"
+        try:
+            rules = client.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]
+        except ClientError as exc:
+            if not refused(exc):
+                raise
+            rules = []  # no configuration yet
+        rules = [r for r in rules if r.get("ID") != rule_id] + [
+            {
+                "ID": rule_id,
+                "Status": "Enabled",
+                "Filter": {"Prefix": self.prefix + "/"},
+                "Expiration": {"Days": self.ttl_days},
+            }
+        ]
+        client.put_bucket_lifecycle_configuration(
+            Bucket=bucket, LifecycleConfiguration={"Rules": rules}
+        )
+
+    def _skip_step(self, exc: ClientError, step: str) -> None:
+        """Log a refused preparation step and go on; anything else is an outage (raised)."""
+        if not refused(exc):
+            raise exc
+        log.warning("s3 tier: S3 refused %s (%s); going on without it", step, _code(exc))
+
+    def _unless_refused(self, fn: Callable[[], T], fallback: T) -> T:
+        """``fn()``; ``fallback`` if S3 ``refused`` the request (counted in ``refusals``, the
+        first of each code logged: a denied prefix refuses every request)."""
+        try:
+            return fn()
+        except ClientError as exc:
+            if not refused(exc):
+                raise
+            code = _code(exc)
+            with self._stats_lock:
+                self.refusals += 1
+                first = code not in self._refusal_codes
+                self._refusal_codes.add(code)
+            if first:
+                log.warning("s3 tier: S3 refused a request (%s); a miss, tier stays in use", exc)
+            return fallback
 
     def guard(self, fn: Callable[[], T], fallback: T) -> T:
-        """``fn()`` through the breaker; after a failure the next trial starts from a fresh
-        client and re-prepares the bucket (a restarted store may have lost it)."""
+        """``fn()`` through the breaker; ``fallback`` if S3 ``refused`` the request (the
+        breaker stays closed). After an outage the next trial starts from a fresh client and
+        re-prepares the bucket (a restarted store may have lost it)."""
 
         def run() -> T:
             try:
-                return fn()
+                return self._unless_refused(fn, fallback)
             except _ERRORS:
                 with self._lock:
                     self._client = None
@@ -282,11 +390,14 @@ class S3Tier(RemoteTier):
         return super().guard(run, fallback)
 
     def _each(self, fn: Callable[[int], T], n: int, fallback: T) -> list[T]:
-        """``[fn(i) for i in range(n)]`` on the pool; all ``fallback`` if the server fails."""
+        """``[fn(i) for i in range(n)]`` on the pool: ``fallback`` for an item whose request S3
+        ``refused``, all ``fallback`` if the server fails."""
 
         def run() -> list[T]:
             self.client()
-            return list(self._pool.map(fn, range(n)))
+            return list(
+                self._pool.map(lambda i: self._unless_refused(partial(fn, i), fallback), range(n))
+            )
 
         return self.guard(run, [fallback] * n)
 
