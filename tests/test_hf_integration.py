@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvtier.errors import LayoutError, TokenError  # noqa: E402
+from kvtier.errors import ConfigError, LayoutError, TokenError  # noqa: E402
 from kvtier.integrations import hf, hf_cache  # noqa: E402
 from kvtier.integrations.models import ARCHITECTURES, ModelSpec, random_model  # noqa: E402
 from kvtier.layout import KVLayout  # noqa: E402
@@ -274,3 +274,78 @@ def test_exact_attention_is_length_invariant_across_chunks() -> None:
     for s in (100, 256, 520, 584):
         part, _ = exact_attention(mod, q[:, :, s:], k, v, None, scaling=d**-0.5)
         assert torch.equal(part, full[:, s:]), s
+
+
+# --- refusing what would be silently wrong ---
+
+
+def test_exact_attention_refuses_masks_it_would_ignore(model: Any) -> None:
+    """A padding mask, a packed-sequence mask or a non-causal 4-D mask is an error for the
+    ``kvtier_exact`` kernel (causal by position), never silently dropped; no mask, an all-ones
+    mask and the causal 4-D mask give the plain result."""
+    ids = torch.from_numpy(prompt(40, 11))[None]
+    kw: dict[str, Any] = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0}
+    with torch.inference_mode():
+        plain = model.generate(ids, **kw)
+        assert torch.equal(model.generate(ids, attention_mask=torch.ones_like(ids), **kw), plain)
+        padded = torch.cat([torch.zeros(1, 5, dtype=torch.long), ids], dim=1)
+        mask = torch.cat([torch.zeros(1, 5, dtype=torch.long), torch.ones_like(ids)], dim=1)
+        with pytest.raises(ConfigError, match=r"attention_mask masks 5 of 45 positions.*sdpa"):
+            model.generate(padded, attention_mask=mask, **kw)
+        causal = torch.ones(40, 40, dtype=torch.bool).tril()[None, None]
+        assert torch.equal(model(ids, attention_mask=causal).logits, model(ids).logits)
+        with pytest.raises(ConfigError, match="not the causal mask"):
+            model(ids, attention_mask=torch.ones(1, 1, 40, 40, dtype=torch.bool))
+        packed = torch.cat([torch.arange(20), torch.arange(20)])[None]  # two sequences in one row
+        with pytest.raises(ConfigError, match="other than causal"):
+            model(ids, position_ids=packed, use_cache=False)
+
+
+def test_generate_with_cache_refuses_options_it_does_not_implement(model: Any) -> None:
+    ids = prompt(40, 12)
+    with host_store(model) as store:
+        for bad in ({"do_sample": True}, {"temperature": 0.7}, {"num_beams": 2}):
+            name = next(iter(bad))
+            with pytest.raises(ConfigError, match=rf"greedily.*unsupported: {name}=.*it takes"):
+                hf.generate_with_cache(model, store, ids, 2, **bad)
+        with pytest.raises(ConfigError, match="attention_mask masks 3 of 40 positions"):
+            mask = torch.ones(1, 40, dtype=torch.long)
+            mask[0, :3] = 0
+            hf.generate_with_cache(model, store, ids, 2, attention_mask=mask)
+        with pytest.raises(ConfigError, match="attention_mask has shape"):
+            hf.generate_with_cache(model, store, ids, 2, attention_mask=torch.ones(1, 39))
+        for n in (True, False, 0, -1, 2.0, "3"):
+            with pytest.raises(ConfigError, match="max_new_tokens must be a positive integer"):
+                hf.generate_with_cache(model, store, ids, n)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="eos_token_id"):
+            hf.generate_with_cache(model, store, ids, 2, eos_token_id="2")  # type: ignore[arg-type]
+        assert store.lookup(ids) == 0  # nothing was stored by a refused call
+        # what is accepted: a tokenizer's all-ones mask, do_sample=False, several eos ids
+        ref = hf.generate_reference(model, ids, 6)
+        got = hf.generate_with_cache(
+            model, store, ids, 6, attention_mask=np.ones((1, 40)), do_sample=False
+        )
+        assert_same(got, ref)
+        eos = ref.tokens[-1]
+        stop = hf.generate_with_cache(model, store, ids, 6, eos_token_id=[5000, eos])
+        assert stop.tokens == ref.tokens[: ref.tokens.index(eos) + 1]
+
+
+def test_bad_token_ids_are_named_with_their_position(model: Any) -> None:
+    ids = prompt(40, 13).tolist()
+    with host_store(model) as store:
+        with pytest.raises(TokenError, match="non-negative, found -1 at position 30"):
+            hf.generate_with_cache(model, store, [*ids[:30], -1, *ids[30:]], 2)
+        with pytest.raises(TokenError, match="non-negative, found -7 at position 2"):
+            hf.generate_with_cache(model, store, torch.tensor([[1, 2, -7, 3]]), 2)
+        with pytest.raises(TokenError, match="token id 1024 at position 40 is outside"):
+            hf.generate_with_cache(model, store, [*ids, 1024, 3], 2)
+        with pytest.raises(TokenError, match=r"1-D \(one sequence\), got shape \(2, 40\)"):
+            hf.generate_with_cache(model, store, [ids, ids], 2)
+
+
+def test_readme_hf_example_runs() -> None:
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("### HuggingFace transformers", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(code, "README.md", "exec"), {})

@@ -19,7 +19,11 @@ a matrix with fewer than 12 rows by another kernel, so the integration always re
 ``MIN_EXACT_ROWS`` tokens (see ``kvtier.integrations.hf``).
 
 Contract: batch of 1 sequence without padding (the integration's case); the queries are the last
-``q_len`` positions of the keys; the attention mask argument is ignored (causal by position).
+``q_len`` positions of the keys; attention is causal by position. A mask that would change that
+is refused, never ignored: a 2-D padding mask with a zero (a left-padded prompt, or
+``generate`` inferring one from a pad token in the prompt), a mask function other than the plain
+causal one (packed sequences, custom overlays) or a 4-D mask that is not the causal one raises
+``ConfigError`` (use ``sdpa``/``eager`` for padded batches).
 Cost: like eager attention per query chunk, memory ``O(QUERY_CHUNK x keys)`` per head.
 """
 
@@ -29,6 +33,8 @@ import itertools
 from typing import Any
 
 import torch
+
+from kvtier.errors import ConfigError
 
 NAME = "kvtier_exact"
 KEY_CHUNK = 256
@@ -57,6 +63,8 @@ def exact_attention(
     kv_heads, k_len = key.shape[1], key.shape[2]
     if b != 1:
         raise ValueError(f"{NAME} attention supports one sequence per call, got batch {b}")
+    if attention_mask is not None:  # only a 4-D mask given to the model reaches us (see _mask)
+        _check_causal(attention_mask, q_len, k_len)
     groups = heads // kv_heads
     scale = float(scaling) if scaling is not None else d**-0.5
     past = k_len - q_len
@@ -99,8 +107,42 @@ def _query_chunks(q_len: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(bounds))
 
 
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    """Mask builder for ``NAME``: the kernel is causal by position, it needs no mask tensor."""
+def _refuse(what: str) -> ConfigError:
+    return ConfigError(
+        f"{NAME} attention runs one unpadded sequence, causal by position, but {what}; pass no "
+        "attention_mask (or all ones), or build the model with attn='sdpa' for padded input"
+    )
+
+
+def _check_causal(mask: torch.Tensor, q_len: int, k_len: int) -> None:
+    """Raise unless the 4-D ``mask`` ([1 or b, 1 or heads, q, k], bool or additive) lets each
+    query see exactly the keys at or before its own position (what the kernel computes)."""
+    if mask.dim() != 4 or mask.shape[-2:] != (q_len, k_len):
+        shape = tuple(mask.shape)
+        raise _refuse(f"got a {shape} attention mask for {q_len} queries x {k_len} keys")
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    rows = torch.arange(k_len - q_len, k_len, device=mask.device).unsqueeze(1)
+    causal = torch.arange(k_len, device=mask.device).unsqueeze(0) <= rows
+    if not bool((allowed == causal).all()):
+        raise _refuse("the 4-D attention mask given is not the causal mask")
+
+
+def _mask(
+    *args: Any,
+    mask_function: Any = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> None:
+    """Mask builder for ``NAME``: the kernel is causal by position and needs no mask tensor, so
+    anything that would mask more than causality (padding, packing, overlays) is refused."""
+    from transformers.masking_utils import causal_mask_function
+
+    if mask_function is not None and mask_function is not causal_mask_function:
+        name = getattr(mask_function, "__name__", type(mask_function).__name__)
+        raise _refuse(f"the model asked for a mask other than causal ({name}: packing, overlays)")
+    if attention_mask is not None and not bool(attention_mask.all()):
+        masked = int((~attention_mask.bool()).sum())
+        raise _refuse(f"attention_mask masks {masked} of {attention_mask.shape[-1]} positions")
     return None
 
 
@@ -112,6 +154,6 @@ def register() -> str:
         from transformers.masking_utils import AttentionMaskInterface
 
         AttentionInterface.register(NAME, exact_attention)
-        AttentionMaskInterface.register(NAME, _no_mask)
+        AttentionMaskInterface.register(NAME, _mask)
         _registered = True
     return NAME

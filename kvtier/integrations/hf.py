@@ -57,6 +57,10 @@ from kvtier.keys import as_tokens
 from kvtier.policy.admission import output_class
 
 MIN_RECOMPUTE = 16
+_OPTIONS = (
+    "eos_token_id, store_generated, min_recompute, tenant, layerwise, reuse_class, "
+    "attention_mask (all ones)"
+)
 StoreGenerated = Literal["exact", "decode", "none"]
 
 
@@ -104,7 +108,7 @@ def input_tensor(model: Any, input_ids: Any) -> tuple[torch.Tensor, Tokens]:
 
     Accepts a 1-D sequence or a [1, T] tensor/array of integer ids on any device (converted).
     Raises ``TokenError`` for floats, several sequences, an empty prompt or ids outside the
-    vocabulary.
+    vocabulary (naming the position of the first bad id).
     """
     if isinstance(input_ids, torch.Tensor):
         if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
@@ -114,14 +118,37 @@ def input_tensor(model: Any, input_ids: Any) -> tuple[torch.Tensor, Tokens]:
                 f"input_ids has a batch of {input_ids.shape[0]}; kvtier runs one sequence per call"
             )
         input_ids = input_ids.detach().cpu()
-    tokens = as_tokens(input_ids)
+    try:
+        tokens = as_tokens(input_ids)
+    except TokenError as exc:
+        raise _with_position(input_ids, exc) from None
     if len(tokens) == 0:
         raise TokenError("input_ids is empty; the prompt needs at least one token")
     vocab = int(model.config.get_text_config(decoder=True).vocab_size)
     if int(tokens.max()) >= vocab:
-        raise TokenError(f"token id {int(tokens.max())} is outside the vocabulary ({vocab})")
+        at = int(np.argmax(tokens >= vocab))
+        raise TokenError(
+            f"token id {int(tokens[at])} at position {at} is outside the vocabulary ({vocab} ids)"
+        )
     ids = torch.from_numpy(tokens.astype(np.int64)).unsqueeze(0)
     return ids.to(hf_cache.model_device(model)), tokens
+
+
+def _with_position(input_ids: Any, exc: TokenError) -> TokenError:
+    """``exc``, restated with the position of the first bad id when a value was out of range
+    (``as_tokens`` checks shape and dtype first, so those errors are returned as they are)."""
+    try:
+        arr = np.asarray(input_ids)
+    except (TypeError, ValueError):
+        return exc
+    arr = arr[0] if arr.ndim == 2 and arr.shape[0] == 1 else arr
+    if arr.ndim != 1 or arr.dtype.kind not in "iu" or arr.size == 0:
+        return exc
+    for bad, rule in ((arr < 0, "non-negative"), (arr >= 2**32, "< 2**32")):
+        if bad.any():
+            at = int(np.argmax(bad))
+            return TokenError(f"token ids must be {rule}, found {int(arr[at])} at position {at}")
+    return exc
 
 
 def load_prefix(
@@ -210,14 +237,21 @@ def generate_with_cache(
     input_ids: Any,
     max_new_tokens: int,
     *,
-    eos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
     store_generated: StoreGenerated = "exact",
     min_recompute: int = MIN_RECOMPUTE,
     tenant: str | None = None,
     layerwise: bool = False,
     reuse_class: Hashable | None = None,
+    attention_mask: Any = None,
+    **options: object,
 ) -> Generation:
     """Greedy generation reusing the store's cached prefix of ``input_ids``.
+
+    Greedy decoding of one unpadded sequence only: ``attention_mask`` may be given (a
+    tokenizer's output) but must be all ones, ``do_sample`` may only be False; any other
+    ``model.generate`` option (sampling, beams, temperature, ...) raises ``ConfigError`` naming
+    it, rather than being ignored. ``eos_token_id``: one id or several; stops after the first.
 
     ``layerwise``: load the prefix layer by layer while the forward pass runs (see
     ``load_prefix``); the streamed KV is verified before anything is returned, and a block that
@@ -236,8 +270,11 @@ def generate_with_cache(
     if store_generated not in ("exact", "decode", "none"):
         raise ConfigError(f"store_generated must be exact, decode or none, got {store_generated!r}")
     _check_new_tokens(max_new_tokens)
+    _check_options(options)
+    eos = _eos_ids(eos_token_id)
     t0 = time.perf_counter()
     ids, tokens = input_tensor(model, input_ids)
+    _check_mask(attention_mask, len(tokens))
     pre = load_prefix(
         model, store, tokens, min_recompute=min_recompute, tenant=tenant, layerwise=layerwise
     )
@@ -257,7 +294,7 @@ def generate_with_cache(
     by_output = reuse_class is BY_OUTPUT
     if not by_output:
         stored = store_cache(store, tokens, cache, tenant=tenant, reuse_class=reuse_class)
-    gen, logits = _decode(model, cache, first, max_new_tokens, eos_token_id)
+    gen, logits = _decode(model, cache, first, max_new_tokens, eos)
     if by_output:  # the prompt's blocks are unchanged by decoding: store them now, labelled
         reuse_class = output_class(len(gen), n_reused > 0)
         stored = store_cache(store, tokens, cache, tenant=tenant, reuse_class=reuse_class)
@@ -273,27 +310,28 @@ def generate_with_cache(
 
 @torch.inference_mode()
 def generate_reference(
-    model: Any, input_ids: Any, max_new_tokens: int, *, eos_token_id: int | None = None
+    model: Any, input_ids: Any, max_new_tokens: int, *, eos_token_id: int | list[int] | None = None
 ) -> Generation:
     """Plain greedy generation without kvtier: one forward over the whole prompt, then one
     decode step per token -- what ``model.generate(do_sample=False)`` computes."""
     _check_new_tokens(max_new_tokens)
+    eos = _eos_ids(eos_token_id)
     t0 = time.perf_counter()
     ids, _ = input_tensor(model, input_ids)
     cache = hf_cache.new_cache(model)
     first = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
     _sync(first)
     ttft = time.perf_counter() - t0
-    gen, logits = _decode(model, cache, first, max_new_tokens, eos_token_id)
+    gen, logits = _decode(model, cache, first, max_new_tokens, eos)
     return Generation(gen, logits, ttft)
 
 
 def _decode(
-    model: Any, cache: DynamicCache, first: torch.Tensor, max_new: int, eos: int | None
+    model: Any, cache: DynamicCache, first: torch.Tensor, max_new: int, eos: frozenset[int]
 ) -> tuple[list[int], torch.Tensor]:
     logits = [first]
     gen = [int(first.argmax())]
-    while len(gen) < max_new and gen[-1] != eos:
+    while len(gen) < max_new and gen[-1] not in eos:
         step = torch.tensor([[gen[-1]]], device=first.device)
         nxt = model(step, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
         logits.append(nxt)
@@ -302,8 +340,46 @@ def _decode(
 
 
 def _check_new_tokens(n: int) -> None:
-    if not isinstance(n, int) or n < 1:
+    if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 1:
         raise ConfigError(f"max_new_tokens must be a positive integer, got {n!r}")
+
+
+def _check_options(options: dict[str, object]) -> None:
+    """Refuse ``model.generate`` options that greedy decoding would silently ignore."""
+    if options.get("do_sample") is False:
+        options = {k: v for k, v in options.items() if k != "do_sample"}
+    if options:
+        got = ", ".join(f"{k}={v!r}" for k, v in options.items())
+        raise ConfigError(
+            f"generate_with_cache decodes greedily, one unpadded sequence; unsupported: {got} "
+            f"(it takes max_new_tokens, {_OPTIONS}; use model.generate for sampling or beams)"
+        )
+
+
+def _check_mask(mask: Any, n_tokens: int) -> None:
+    """Accept no mask or an all-ones one of the prompt's length; a zero would mean padding."""
+    if mask is None:
+        return
+    m = np.asarray(mask.detach().cpu() if isinstance(mask, torch.Tensor) else mask)
+    if m.size != n_tokens or (m.ndim == 2 and m.shape[0] != 1) or m.ndim not in (1, 2):
+        raise ConfigError(
+            f"attention_mask has shape {m.shape}; expected one row of {n_tokens} (the prompt's)"
+        )
+    if not bool((m == 1).all()):
+        raise ConfigError(
+            f"attention_mask masks {int((m != 1).sum())} of {n_tokens} positions; "
+            "generate_with_cache runs one unpadded sequence: strip the padding from input_ids"
+        )
+
+
+def _eos_ids(eos: object) -> frozenset[int]:
+    """``eos_token_id`` (one id, a list of ids, or None) as a set; raise ``ConfigError`` else."""
+    ids = [] if eos is None else [eos] if isinstance(eos, int | np.integer) else eos
+    if not isinstance(ids, list | tuple | set | frozenset) or any(
+        isinstance(i, bool) or not isinstance(i, int | np.integer) for i in ids
+    ):
+        raise ConfigError(f"eos_token_id must be a token id or a list of ids, got {eos!r}")
+    return frozenset(int(i) for i in ids)
 
 
 def _recompute_tail(

@@ -122,25 +122,35 @@ def load_model(
     attn: str = exact_attention.NAME,
     device: str | torch.device = "cpu",
 ) -> Any:
-    """Load a causal LM from a local checkpoint directory; never contacts a hub."""
+    """Load a causal LM from a local checkpoint directory; never contacts a hub. Raises
+    ``ConfigError`` naming the directory when transformers cannot load it (a config.json without
+    ``model_type``, an architecture it does not know, missing or unreadable weights)."""
     p = Path(path)
     if not (p / "config.json").is_file():
         raise ConfigError(f"{p} is not a checkpoint directory (no config.json); pass --model PATH")
     os.environ["HF_HUB_OFFLINE"] = "1"
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        p, local_files_only=True, dtype=_dtype(dtype), attn_implementation=_attention(attn)
-    )
+    torch_dtype, attn_name = _dtype(dtype), _attention(attn)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            p, local_files_only=True, dtype=torch_dtype, attn_implementation=attn_name
+        )
+    except (OSError, ValueError, KeyError) as exc:  # no model_type, unknown class, no weights
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"cannot load a causal LM from {p}: {first}") from None
     return model.to(device).eval()  # type: ignore[arg-type]
 
 
 def load_tokenizer(path: str | Path) -> Any | None:
-    """The checkpoint's tokenizer if it ships one (local files only), else None."""
+    """The checkpoint's tokenizer if it ships one (local files only), else None. A tokenizer
+    that turns text into no ids (transformers builds an empty one for a checkpoint without
+    vocabulary files) counts as none."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(Path(path), local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(Path(path), local_files_only=True)
     except (OSError, ValueError):
         return None
+    return tok if tok.encode("Hello world", add_special_tokens=False) else None
