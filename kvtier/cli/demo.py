@@ -6,16 +6,24 @@ token with kvtier and without it, where the reused prefix came from, and whether
 bit-identical (``kvtier.cli.demo_model``). ``--synthetic`` instead pushes a larger mixed workload
 (chat, document QA, agents, one-offs) with synthetic KV through the store and checks every
 cached prefix against a recomputation (``kvtier.cli.demo_synthetic``).
+
+Each mode has its own options; one given to the other mode is an error, not silently ignored.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import sys
 
 from rich.console import Console
 
 from kvtier.cli import demo_model, demo_synthetic
+from kvtier.errors import ConfigError
+
+# rich wraps and truncates to 80 columns when stdout is not a terminal; a log should keep whole
+# lines and table headers
+_PIPE_WIDTH = 160
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,11 +34,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     demo_synthetic.add_arguments(p)
 
 
+def _refuse_other_mode(args: argparse.Namespace, synthetic: bool) -> None:
+    """Raise ``ConfigError`` for an option of the mode that is not running."""
+    other = demo_model.DEFAULTS if synthetic else demo_synthetic.DEFAULTS
+    for name in other:
+        if getattr(args, name, None) is not None:
+            flag = "--" + name.replace("_", "-")
+            if not synthetic:
+                raise ConfigError(f"{flag} applies to --synthetic only; add --synthetic")
+            why = "" if args.synthetic else " (transformers is not installed)"
+            raise ConfigError(f"{flag} applies to the real-model demo, not --synthetic{why}")
+
+
 def run(args: argparse.Namespace) -> int:
-    console = Console()
-    if args.synthetic:
-        return demo_synthetic.run(console, args)
-    if importlib.util.find_spec("transformers") is None:
+    if args.seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
+    fallback = not args.synthetic and importlib.util.find_spec("transformers") is None
+    _refuse_other_mode(args, args.synthetic or fallback)
+    console = Console() if sys.stdout.isatty() else Console(width=_PIPE_WIDTH)
+    if fallback:
         console.print("transformers is not installed: running the synthetic demo instead")
+    if args.synthetic or fallback:
         return demo_synthetic.run(console, args)
     return demo_model.run(console, args)

@@ -9,6 +9,7 @@ table shows per-tier hits, tokens saved, bytes moved and GB/s.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from collections import Counter
 from pathlib import Path
@@ -21,6 +22,7 @@ from rich.table import Table
 
 from kvtier.cli.report import tier_table
 from kvtier.config import parse_size
+from kvtier.errors import ConfigError
 from kvtier.layout import KVLayout
 from kvtier.store import TieredStore
 from kvtier.tiers.registry import TIER_KINDS
@@ -31,15 +33,47 @@ from kvtier.workload import mixed_workload, synthetic_kv
 DEMO_LAYOUT = KVLayout(layers=8, kv_heads=2, head_dim=64, dtype="float16")
 
 
+#: the synthetic demo's options and their defaults (None on the command line = not given)
+DEFAULTS: dict[str, object] = {
+    "host": "48MiB",
+    "nvme": "512MiB",
+    "warm": False,
+    "scale": 1.0,
+    "layers": DEMO_LAYOUT.layers,
+    "kv_heads": DEMO_LAYOUT.kv_heads,
+    "head_dim": DEMO_LAYOUT.head_dim,
+}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of the synthetic workload (``--dir`` and ``--seed`` are ``kvtier demo``'s)."""
-    p.add_argument("--host", default="48MiB", help="synthetic: host DRAM tier size")
-    p.add_argument("--nvme", default="512MiB", help="synthetic: NVMe tier size, 0 to disable")
-    p.add_argument("--warm", action="store_true", help="synthetic: keep a previous run's blocks")
-    p.add_argument("--scale", type=float, default=1.0, help="synthetic: workload multiplier")
-    p.add_argument("--layers", type=int, default=DEMO_LAYOUT.layers, help="synthetic layout")
-    p.add_argument("--kv-heads", type=int, default=DEMO_LAYOUT.kv_heads, help="synthetic layout")
-    p.add_argument("--head-dim", type=int, default=DEMO_LAYOUT.head_dim, help="synthetic layout")
+    d = DEFAULTS
+    p.add_argument("--host", default=None, help=f"synthetic: host DRAM tier size ({d['host']})")
+    p.add_argument("--nvme", default=None, help=f"synthetic: NVMe tier size ({d['nvme']}), 0: none")
+    p.add_argument(
+        "--warm", action="store_const", const=True, help="synthetic: keep a previous run's blocks"
+    )
+    p.add_argument("--scale", type=float, default=None, help="synthetic: workload multiplier (1)")
+    for flag in ("--layers", "--kv-heads", "--head-dim"):
+        default = d[flag[2:].replace("-", "_")]
+        p.add_argument(flag, type=int, default=None, help=f"synthetic layout ({default})")
+
+
+def resolve(args: argparse.Namespace) -> None:
+    """Fill the options not given with their defaults (in place) and check them; raise
+    ``ConfigError`` naming the first bad one."""
+    for name, default in DEFAULTS.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, default)
+    if getattr(args, "seed", 0) < 0:
+        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
+    if not (math.isfinite(args.scale) and args.scale > 0):
+        raise ConfigError(f"--scale must be a finite number > 0, got {args.scale}")
+    for name in ("layers", "kv_heads", "head_dim"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    parse_size(args.host, "--host")
+    parse_size(args.nvme, "--nvme")
 
 
 def build_store(args: argparse.Namespace, layout: KVLayout) -> TieredStore:
@@ -68,6 +102,7 @@ def build_store(args: argparse.Namespace, layout: KVLayout) -> TieredStore:
 
 def run(console: Console, args: argparse.Namespace) -> int:
     """Serve the workload; 0 if every cached prefix matched a recomputation."""
+    resolve(args)
     layout = KVLayout(args.layers, args.kv_heads, args.head_dim, "float16")
     requests = list(mixed_workload(args.seed, args.scale))
     prompt_tokens = sum(len(r.tokens) for r in requests)
