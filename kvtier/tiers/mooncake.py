@@ -19,8 +19,10 @@ through a staging arena registered with the transfer engine once, at constructio
 copy+checksum). Contiguous caller buffers are registered with the transfer engine for the
 duration of each call (transfers from unregistered memory are markedly slower), unless they lie
 in a long-lived buffer the owner registered once with ``register`` (a host arena, an engine's KV
-pool): that saves the per-call registration, ~15% of a 4 MiB transfer over TCP. The arena,
-registrations, error codes and connection setup live in ``kvtier.tiers.mooncake_engine``.
+pool): that saves the per-call registration, ~15% of a 4 MiB transfer over TCP. Connection
+setup, the ``Prober``, master-address checks and error codes live in
+``kvtier.tiers.mooncake_engine``; the arena, registrations and each batch's buffer lists in
+``kvtier.tiers.mooncake_memory``.
 
 Mooncake behaviours this tier is built around:
 
@@ -63,18 +65,16 @@ from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
 from kvtier.tiers.base import Array, TierUsage
 from kvtier.tiers.mooncake_engine import (
-    BUFFER_TOO_SMALL,
-    TRANSFER_FAIL,
     Prober,
-    Registrations,
     ServerDown,
-    StagingArena,
     check_down,
     connect,
+    foreign_size,
     master_endpoint,
     package_binary,
     reachable,
 )
+from kvtier.tiers.mooncake_memory import BatchBuffers, Registrations, StagingArena
 from kvtier.tiers.remote import RemoteTier, flat_bytes
 from kvtier.tiers.secure import BlockSealer, TenantQuotas, tenant_token
 
@@ -370,9 +370,7 @@ class MooncakeTier(RemoteTier):
         st = self._staging
         fp = self.layout.fingerprint
         n = self.block_bytes
-        ptrs: list[list[int]] = []
-        sizes: list[list[int]] = []
-        registered: list[int] = []
+        batch = BatchBuffers(client, self._regs, st, n)
         ok = [True] * len(idx)
         flats = [None if self.sealer.encrypted else flat_bytes(blocks[i]) for i in idx]
         plain = [f for f in flats if f is not None]
@@ -382,57 +380,32 @@ class MooncakeTier(RemoteTier):
                 key, block = keys[i], blocks[i]
                 flat = flats[j]
                 if flat is not None:  # zero-copy: the payload moves from the caller's buffer
-                    header = self._in_place(client, flat, slot, ptrs, sizes, registered)
+                    header = batch.in_place(flat, slot)
                     header[:] = np.frombuffer(codec.pack_header(key, fp, n, next(sums)), np.uint8)
                     continue
                 value = self.sealer.seal(key, block, tenant)
                 if value is None:
                     ok[j] = False
-                    ptrs.append([st.ptr(slot)])
-                    sizes.append([0])
+                    batch.staged(slot, 0)
                     continue
                 st.view(slot, len(value))[:] = np.frombuffer(value, np.uint8)
-                ptrs.append([st.ptr(slot)])
-                sizes.append([len(value)])
+                batch.staged(slot, len(value))
             live = [j for j in range(len(idx)) if ok[j]]
             if not live:
                 return ok
             names = self._names([keys[idx[j]] for j in live], tenant)
             codes = client.batch_put_from_multi_buffers(
-                names, [ptrs[j] for j in live], [sizes[j] for j in live], self._replicate
+                names,
+                [batch.ptrs[j] for j in live],
+                [batch.sizes[j] for j in live],
+                self._replicate,
             )
         finally:
-            self._regs.release(client, registered)
+            batch.release()
         self._check_down(codes)
         for j, c in zip(live, codes, strict=True):
             ok[j] = c == 0
         return ok
-
-    def _in_place(
-        self,
-        client: Any,
-        flat: Array,
-        slot: int,
-        ptrs: list[list[int]],
-        sizes: list[list[int]],
-        registered: list[int],
-    ) -> Array:
-        """Lay out one value whose payload is the caller's contiguous ``flat``: append its
-        buffers to ``ptrs``/``sizes`` and return where its header goes. A framed buffer
-        (``codec.header_room``) is one buffer, header in its room; otherwise the header is in
-        staging slot ``slot`` and the value is two buffers."""
-        h, n = codec.HEADER_BYTES, self.block_bytes
-        ptr = int(flat.ctypes.data)
-        room = codec.header_room(flat)
-        if room is not None:
-            self._regs.for_call(client, ptr - h, h + n, registered)
-            ptrs.append([ptr - h])
-            sizes.append([h + n])
-            return room
-        self._regs.for_call(client, ptr, n, registered)
-        ptrs.append([self._staging.ptr(slot), ptr])
-        sizes.append([h, n])
-        return self._staging.view(slot, h)
 
     def get_into(
         self, keys: Sequence[BlockKey], outs: Sequence[Array], tenant: str = ""
@@ -452,10 +425,8 @@ class MooncakeTier(RemoteTier):
         client = self._ready()
         st = self._staging
         value_bytes = self.value_bytes
-        ptrs: list[list[int]] = []
-        sizes: list[list[int]] = []
+        batch = BatchBuffers(client, self._regs, st, self.block_bytes)
         direct: list[Array | None] = []
-        registered: list[int] = []
         headers: list[Array | None] = []  # where each direct read's header lands
         for i, slot in zip(idx, slots, strict=True):
             out = outs[i]
@@ -464,16 +435,15 @@ class MooncakeTier(RemoteTier):
                 flat = flat_bytes(out)
             direct.append(flat)
             if flat is not None:
-                headers.append(self._in_place(client, flat, slot, ptrs, sizes, registered))
+                headers.append(batch.in_place(flat, slot))
             else:
-                ptrs.append([st.ptr(slot)])
-                sizes.append([value_bytes])
+                batch.staged(slot, value_bytes)
                 headers.append(None)
         names = self._names([keys[i] for i in idx], tenant)
         try:
-            codes = client.batch_get_into_multi_buffers(names, ptrs, sizes)
+            codes = client.batch_get_into_multi_buffers(names, batch.ptrs, batch.sizes)
         finally:
-            self._regs.release(client, registered)
+            batch.release()
         self._check_down(codes)
         ok = [False] * len(idx)
         bad: list[str] = []
@@ -483,7 +453,7 @@ class MooncakeTier(RemoteTier):
         for j, (i, slot, code) in enumerate(zip(idx, slots, codes, strict=True)):
             key = keys[i]
             if code != value_bytes:
-                if self._foreign_size(client, names[j], code):
+                if foreign_size(client, names[j], code, value_bytes):
                     bad.append(names[j])
                 continue
             flat, header = direct[j], headers[j]
@@ -499,19 +469,6 @@ class MooncakeTier(RemoteTier):
         if bad:
             client.batch_remove(bad, True)
         return ok
-
-    def _foreign_size(self, client: Any, name: str, code: int) -> bool:
-        """Whether a failed read found an object of the wrong size (a value kvtier never wrote).
-
-        Too large reads as ``BUFFER_TOO_SMALL``; too small fails the transfer, which a lost
-        segment also does, so only then is the size asked for (off the hot path).
-        """
-        if code >= 0 or code == BUFFER_TOO_SMALL:
-            return True
-        if code == TRANSFER_FAIL:
-            size = int(client.get_size(name))
-            return size >= 0 and size != self.value_bytes
-        return False
 
     def delete(self, keys: Sequence[BlockKey], tenant: str = "") -> None:
         if not keys:

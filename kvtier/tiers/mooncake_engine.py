@@ -1,7 +1,8 @@
-"""The Mooncake client side of the Mooncake tier: connecting, error codes, registered memory.
+"""The Mooncake client side of the Mooncake tier: connecting, keeping the master, error codes.
 
 ``kvtier.tiers.mooncake`` decides what to move; this module holds what it takes to talk to a
-``MooncakeDistributedStore`` client from the PyPI wheel ``mooncake-transfer-engine-non-cuda``:
+``MooncakeDistributedStore`` client from the PyPI wheel ``mooncake-transfer-engine-non-cuda``
+(the memory a transfer moves -- staging, registrations -- is ``kvtier.tiers.mooncake_memory``):
 
 - ``master_endpoint``: the master's ``host:port``, checked once (``ConfigError`` otherwise).
 - ``connect``: create and set up a client with a bounded RPC timeout (the client reads it from
@@ -11,12 +12,8 @@
   call against a dead master (three connection attempts a second apart), whatever
   ``rpc_timeout_s`` says. ``reachable`` is its cheap first check, a TCP connect.
 - error codes (mooncake-store ``ErrorCode``) and ``check_down``, which tells an expected outcome
-  (not found, no space, a lease, a foreign size) from an unreachable master (``ServerDown``).
-- ``StagingArena``: fixed-size slots of one buffer registered with the transfer engine once,
-  handed out per call (headers, strided blocks, encrypted values).
-- ``Registrations``: long-lived buffers registered by their owner (a host arena, an engine's KV
-  pool), and per-call registration of caller buffers outside them (transfers from unregistered
-  memory are markedly slower).
+  (not found, no space, a lease, a foreign size) from an unreachable master (``ServerDown``);
+  ``foreign_size``, which tells a failed read of a value kvtier never wrote.
 """
 
 from __future__ import annotations
@@ -31,10 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from kvtier.errors import ConfigError
-from kvtier.tiers.base import Array
 from kvtier.tiers.breaker import CircuitBreaker
 
 log = logging.getLogger(__name__)
@@ -129,6 +123,21 @@ def check_down(client: Any, codes: Sequence[int], master: str) -> None:
     # after the master died; an RPC failure or timeout is taken at its word.
     if odd and (RPC_FAIL in odd or RPC_TIMEOUT in odd or client.health_check() != 0):
         raise ServerDown(f"master {master} unreachable (codes {sorted(set(odd))})")
+
+
+def foreign_size(client: Any, name: str, code: int, value_bytes: int) -> bool:
+    """Whether a failed read of object ``name`` (``code``) found a value of another size than
+    ``value_bytes`` (a value kvtier never wrote).
+
+    Too large reads as ``BUFFER_TOO_SMALL``; too small fails the transfer, which a lost
+    segment also does, so only then is the size asked for (off the hot path).
+    """
+    if code >= 0 or code == BUFFER_TOO_SMALL:
+        return True
+    if code == TRANSFER_FAIL:
+        size = int(client.get_size(name))
+        return size >= 0 and size != value_bytes
+    return False
 
 
 class Prober:
@@ -230,87 +239,3 @@ class Prober:
                 self.breaker.succeeded()
                 self._odd_logged = False
                 self.up.set()
-
-
-class StagingArena:
-    """Fixed-size slots of one buffer (registered by the owner), handed out per call.
-
-    Thread-safe; ``acquire`` blocks while every slot is in use.
-    """
-
-    def __init__(self, slot_bytes: int, nslots: int) -> None:
-        self.slot_bytes = slot_bytes
-        self.arena: Array = np.empty(slot_bytes * nslots, dtype=np.uint8)
-        # touch every page now: a first touch costs up to ~7 ms per 2 MiB page in a VM, and
-        # would land on whichever transfer first uses the slot
-        self.arena.fill(0)
-        self.base = int(self.arena.ctypes.data)
-        self._free = list(range(nslots))
-        self._cond = threading.Condition()
-
-    def acquire(self, want: int) -> list[int]:
-        """Between 1 and ``want`` free slots (waits for one if none is free)."""
-        with self._cond:
-            while not self._free:
-                self._cond.wait()
-            n = min(want, len(self._free))
-            taken, self._free = self._free[:n], self._free[n:]
-            return taken
-
-    def release(self, slots: list[int]) -> None:
-        with self._cond:
-            self._free.extend(slots)
-            self._cond.notify_all()
-
-    def view(self, slot: int, nbytes: int) -> Array:
-        off = slot * self.slot_bytes
-        return self.arena[off : off + nbytes]
-
-    def ptr(self, slot: int) -> int:
-        return self.base + slot * self.slot_bytes
-
-
-class Registrations:
-    """Memory registered with one client's transfer engine. Thread-safe.
-
-    ``pin`` registers a long-lived buffer until ``unpin``; ``for_call`` registers a caller buffer
-    for one transfer unless a pinned buffer covers it (``release`` undoes those).
-    """
-
-    def __init__(self) -> None:
-        self._pinned: dict[int, int] = {}  # ptr -> bytes
-        self._lock = threading.Lock()
-
-    def pin(self, client: Any, buf: Array) -> bool:
-        ptr, n = int(buf.ctypes.data), int(buf.nbytes)
-        if client is None or n == 0 or client.register_buffer(ptr, n) != 0:
-            return False
-        with self._lock:
-            self._pinned[ptr] = n
-        return True
-
-    def unpin(self, client: Any, buf: Array) -> None:
-        ptr = int(buf.ctypes.data)
-        with self._lock:
-            known = self._pinned.pop(ptr, None) is not None
-        if known and client is not None:
-            client.unregister_buffer(ptr)
-
-    def for_call(self, client: Any, ptr: int, n: int, registered: list[int]) -> None:
-        """Register ``[ptr, ptr+n)`` (noted in ``registered``) unless a pinned buffer covers it."""
-        with self._lock:
-            if any(p <= ptr and ptr + n <= p + size for p, size in self._pinned.items()):
-                return
-        if client.register_buffer(ptr, n) == 0:
-            registered.append(ptr)
-
-    @staticmethod
-    def release(client: Any, registered: list[int]) -> None:
-        for ptr in registered:
-            client.unregister_buffer(ptr)
-
-    def unpin_all(self, client: Any) -> None:
-        with self._lock:
-            ptrs, self._pinned = list(self._pinned), {}
-        for ptr in ptrs:
-            client.unregister_buffer(ptr)

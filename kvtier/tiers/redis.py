@@ -48,28 +48,21 @@ Config (``[[tiers]] kind = "redis"``)::
     prefix = "kvtier" ; hash_tag = "tenant" | "block" ; ttl = 0 (seconds, 0 = no expiry)
     timeout = 1.0 ; connect_timeout = 1.0 ; cooldown = 5.0 ; batch_bytes = "256MiB"
     encryption_key = "<hex>" ; tenant_keys = {} ; quota = 0 ; tenant_quotas = {}
+
+The connection settings (``RedisOptions``: URL and cluster checks, TLS, timeouts) and the
+zero-copy connection classes under them live in ``kvtier.tiers.redis_client``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import redis
 import redis.cluster
-from redis.backoff import NoBackoff
-from redis.connection import (
-    Connection,
-    PythonRespSerializer,
-    SSLConnection,
-    UnixDomainSocketConnection,
-    parse_url,
-)
 from redis.exceptions import (
     AskError,
     AuthenticationWrongNumberOfArgsError,
@@ -77,15 +70,17 @@ from redis.exceptions import (
     RedisClusterException,
     ResponseError,
 )
-from redis.retry import Retry
 
 from kvtier.config import parse_bool, parse_float, parse_int, parse_size
 from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
 from kvtier.tiers.base import Array, TierUsage
-from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.redis_client import RedisOptions, masked
+from kvtier.tiers.remote import Refusals, RemoteTier
 from kvtier.tiers.secure import BlockSealer, TenantQuotas, tenant_token
+
+__all__ = ["RedisOptions", "RedisTier", "masked", "refused"]
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +92,6 @@ _ERRORS: tuple[type[BaseException], ...] = (redis.RedisError, RedisClusterExcept
 #: error replies that still mean the cluster is not serving (CLUSTERDOWN, MASTERDOWN, a MOVED or
 #: ASK left over after redirection, an AUTH the server does not understand)
 _NOT_SERVING = (ClusterError, AskError, AuthenticationWrongNumberOfArgsError)
-_URL_SCHEMES = ("redis://", "rediss://", "unix://")
 # Longest present prefix, in one command: stops at the first missing key.
 _PREFIX_LUA = """
 for i = 1, #KEYS do
@@ -118,144 +112,6 @@ def refused(exc: BaseException) -> bool:
 def _ok(reply: Any) -> bool:
     """A pipeline reply that is truthy and not a refused command's error."""
     return not isinstance(reply, Exception) and bool(reply)
-
-
-def masked(url: str) -> str:
-    """``url`` for messages: everything up to its last ``@`` but a username is ``***``."""
-    return re.sub(
-        r"^([A-Za-z][A-Za-z0-9+.-]*://)?(.*)@",
-        lambda m: (m[1] or "") + (m[2].split(":", 1)[0] + ":***" if ":" in m[2] else "***") + "@",
-        url,
-        flags=re.DOTALL,
-    )
-
-
-class _ZeroCopyMixin:
-    """Pack commands with the pure-Python RESP serializer: large values go out as memoryviews.
-
-    Also: an error reply while a connection is set up (``SELECT`` of a db the server does not
-    have, ``HELLO``, a ``NOPERM`` for it) is a ``ConnectionError``: the server will not serve
-    this client at all, which is an outage for the breaker, not one refused request.
-    """
-
-    _buffer_cutoff: int
-    encoder: Any
-
-    def _construct_command_packer(self, packer: Any) -> Any:
-        return packer or PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
-
-    def on_connect_check_health(self, check_health: bool = True) -> None:
-        try:
-            super().on_connect_check_health(check_health)  # type: ignore[misc]
-        except ResponseError as exc:
-            raise redis.ConnectionError(f"connection set-up refused: {exc}") from exc
-
-
-class _ZeroCopyConnection(_ZeroCopyMixin, Connection):
-    pass
-
-
-class _ZeroCopySSLConnection(_ZeroCopyMixin, SSLConnection):
-    pass
-
-
-class _ZeroCopyUnixConnection(_ZeroCopyMixin, UnixDomainSocketConnection):
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class RedisOptions:
-    """Connection options, validated once (see the module docstring for their meaning)."""
-
-    url: str = "redis://127.0.0.1:6379/0"
-    cluster: tuple[str, ...] = ()
-    username: str | None = None
-    password: str | None = field(default=None, repr=False)
-    tls: bool = False
-    tls_ca_file: str | None = None
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
-    tls_verify: bool = True
-    timeout: float = 1.0
-    connect_timeout: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.timeout <= 0 or self.connect_timeout <= 0:
-            raise ConfigError("redis tier: timeout and connect_timeout must be > 0 seconds")
-        for node in self.cluster:
-            host, _, port = node.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ConfigError(f"redis tier: cluster node {node!r} is not 'host:port'")
-        if not self.cluster:
-            pool = self._pool()  # ConfigError if the URL is not a Redis URL
-            try:  # builds a connection object, does not connect: rejects bad URL options now
-                pool.make_connection()
-            except (TypeError, ValueError, redis.RedisError) as exc:
-                raise ConfigError(f"redis tier: url {masked(self.url)!r}: {exc}") from None
-
-    def _common(self, tls: bool) -> dict[str, Any]:
-        """Connection keyword arguments shared by a single server and Cluster nodes."""
-        common: dict[str, Any] = {
-            "socket_timeout": self.timeout,
-            "socket_connect_timeout": self.connect_timeout,
-        }
-        if self.username is not None:
-            common["username"] = self.username
-        if self.password is not None:
-            common["password"] = self.password
-        if tls:
-            common.update(
-                ssl_ca_certs=self.tls_ca_file,
-                ssl_certfile=self.tls_cert_file,
-                ssl_keyfile=self.tls_key_file,
-                ssl_cert_reqs="required" if self.tls_verify else "none",
-                ssl_check_hostname=self.tls_verify,
-            )
-        return common
-
-    def _pool(self) -> redis.ConnectionPool:
-        """The single server's pool (connects lazily); ``ConfigError`` if ``url`` is not one."""
-        url = self.url
-        if not isinstance(url, str) or not url.startswith(_URL_SCHEMES):
-            shown = masked(url) if isinstance(url, str) else url
-            raise ConfigError(
-                f"redis tier: url {shown!r} must start with redis://, rediss:// or unix://"
-            )
-        try:
-            kw = parse_url(url)  # type: ignore[no-untyped-call]
-        except ValueError as exc:
-            raise ConfigError(f"redis tier: url {masked(url)!r}: {exc}") from None
-        unix = kw.pop("connection_class", None) is UnixDomainSocketConnection
-        tls = self.tls or url.startswith("rediss://")
-        if unix and tls:
-            raise ConfigError(f"redis tier: url {masked(url)!r} is a unix socket: tls is not used")
-        conn_cls: type[Connection] | type[UnixDomainSocketConnection] = (
-            _ZeroCopyUnixConnection
-            if unix
-            else _ZeroCopySSLConnection
-            if tls
-            else _ZeroCopyConnection
-        )
-        kw.update(self._common(tls))
-        return redis.ConnectionPool(connection_class=conn_cls, retry=Retry(NoBackoff(), 0), **kw)
-
-    def connect(self) -> redis.Redis | redis.cluster.RedisCluster:
-        """A client (connects lazily or, for Cluster, now; raises ``_ERRORS`` if unreachable)."""
-        if not self.cluster:
-            return redis.Redis(connection_pool=self._pool())
-        conn_cls = _ZeroCopySSLConnection if self.tls else _ZeroCopyConnection
-        nodes = [
-            redis.cluster.ClusterNode(h, int(p))  # type: ignore[no-untyped-call]
-            for h, _, p in (n.rpartition(":") for n in self.cluster)
-        ]
-        # ``url`` makes redis-py build node pools from our kwargs (connection_class included)
-        return redis.cluster.RedisCluster(
-            url=f"redis://{self.cluster[0]}",
-            startup_nodes=nodes,
-            connection_class=conn_cls,
-            retry=Retry(NoBackoff(), 0),
-            **self._common(self.tls),
-        )
 
 
 class RedisTier(RemoteTier):
@@ -296,9 +152,7 @@ class RedisTier(RemoteTier):
         self._client: redis.Redis | redis.cluster.RedisCluster | None = None
         self._script: Any = None
         self._lock = threading.Lock()
-        #: requests the server refused (see ``refused``): misses / puts not stored, breaker closed
-        self.refusals = 0
-        self._refusal_kinds: set[str] = set()
+        self._refusals = Refusals()
 
     @classmethod
     def from_config(cls, layout: KVLayout, spec: Mapping[str, Any]) -> RedisTier:
@@ -384,14 +238,14 @@ class RedisTier(RemoteTier):
 
         return super().guard(call, fallback)
 
+    @property
+    def refusals(self) -> int:
+        """Requests the server refused (``refused``): misses / puts not stored, breaker closed."""
+        return self._refusals.count
+
     def _refused(self, exc: Exception) -> None:
         """Count a refused request; log the first of each kind (a full server refuses every put)."""
-        kind = f"{type(exc).__name__} {str(exc).split(' ', 1)[0]}"
-        with self._lock:
-            self.refusals += 1
-            first = kind not in self._refusal_kinds
-            self._refusal_kinds.add(kind)
-        if first:
+        if self._refusals.add(f"{type(exc).__name__} {str(exc).split(' ', 1)[0]}"):
             log.warning("redis tier: server refused a request (%s): a miss / not stored", exc)
 
     def _chunks(self, n: int) -> list[range]:

@@ -11,6 +11,9 @@ same things, gathered here once:
   an error of ``errors`` opens it and the caller gets ``fallback`` (a miss, ``False``), never an
   exception. ``healthy`` is the breaker's state.
 - **Capacity.** The server evicts (or expires) on its own: ``capacity_blocks`` is 0.
+- **Refusals.** A request the server answers with an error about that request alone (the Redis
+  and S3 tiers tell it from an outage, each by its own protocol) is a miss that leaves the breaker
+  closed; ``Refusals`` counts them and says which is the first of its kind, to log.
 - **Zero-copy.** ``flat_bytes`` says whether a caller buffer can be read or written in place.
 - **Config.** ``security_section`` checks a ``[[tiers]]`` table's keys (the tier's own plus
   ``SECURITY_KEYS``) and builds the sealer and quotas from it.
@@ -18,6 +21,7 @@ same things, gathered here once:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -101,6 +105,27 @@ class RemoteTier(Tier):
         if value is None:
             self.refund(tenant)
         return value
+
+
+class Refusals:
+    """Requests a server refused (a miss each, not an outage), counted in ``count``. ``add``
+    says whether one is the first of its kind, which the tier logs: a full server refuses every
+    put, and that is one line, not one per put. Thread-safe."""
+
+    __slots__ = ("_kinds", "_lock", "count")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._kinds: set[str] = set()
+        self._lock = threading.Lock()
+
+    def add(self, kind: str) -> bool:
+        """Count one refused request of ``kind``; True if it is the first of that kind."""
+        with self._lock:
+            self.count += 1
+            first = kind not in self._kinds
+            self._kinds.add(kind)
+        return first
 
 
 def flat_bytes(a: Array) -> Array | None:

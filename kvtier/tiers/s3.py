@@ -44,25 +44,22 @@ Config (``[[tiers]] kind = "s3"``)::
     workers = 8 ; multipart_threshold = "16MiB" ; multipart_chunk = "8MiB"
     timeout = 5.0 ; cooldown = 10.0
     encryption_key = "<hex>" ; tenant_keys = {} ; quota = 0 ; tenant_quotas = {}
+
+The connection settings (``S3Options``: bucket and endpoint checks, the boto3 client) and the
+zero-copy body reads live in ``kvtier.tiers.s3_client``.
 """
 
 from __future__ import annotations
 
-import http.client
 import io
 import logging
-import re
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
-import boto3
-from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError, IncompleteReadError
-from botocore.utils import is_valid_endpoint_url, is_valid_ipv6_endpoint_url
+from botocore.exceptions import BotoCoreError, ClientError
 
 from kvtier import codec
 from kvtier.config import parse_bool, parse_float, parse_int, parse_size
@@ -70,8 +67,11 @@ from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
 from kvtier.tiers.base import Array, TierUsage
-from kvtier.tiers.remote import RemoteTier, flat_bytes
+from kvtier.tiers.remote import Refusals, RemoteTier, flat_bytes
+from kvtier.tiers.s3_client import S3Options, http_stream, masked_url, read_exact
 from kvtier.tiers.secure import BlockSealer, TenantQuotas, tenant_token
+
+__all__ = ["S3Options", "S3Tier", "masked_url", "refused"]
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +86,6 @@ _TIER_DOWN = frozenset(
     | {"InvalidToken", "TokenRefreshRequired", "RequestTimeTooSkewed", "RequestTimeout"}
     | {"AccountProblem", "AllAccessDisabled"}
 )
-# what botocore accepts as a bucket (a name, or an access point / outpost ARN)
-_BUCKET_RE = re.compile(r"^([a-zA-Z0-9.\-_]{1,255}|arn:[^\s]+)$")
 
 
 def _code(exc: ClientError) -> str:
@@ -105,99 +103,6 @@ def refused(exc: BaseException) -> bool:
         return False
     status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
     return 400 <= status < 500 and status != 429 and _code(exc) not in _TIER_DOWN
-
-
-def masked_url(url: str) -> str:
-    """``url`` with any ``user:password@`` replaced by ``***@``."""
-    return re.sub(r"^([^:/]*://)[^/@]*@", r"\1***@", url)
-
-
-def _http_stream(body: Any) -> http.client.HTTPResponse | None:
-    """The unread ``http.client`` response under a botocore ``StreamingBody`` (None when the
-    stack is not the usual botocore -> urllib3 -> http.client, or the body is content-encoded).
-
-    ``http.client.HTTPResponse.readinto`` fills a caller buffer straight from the socket;
-    urllib3's ``readinto`` would read into a new ``bytes`` first and copy.
-    """
-    raw = getattr(body, "_raw_stream", None)
-    fp = getattr(raw, "_fp", None)
-    if not isinstance(fp, http.client.HTTPResponse) or not hasattr(raw, "release_conn"):
-        return None
-    if getattr(raw, "headers", {}).get("content-encoding") not in (None, "identity"):
-        return None
-    return fp
-
-
-def _read_exact(stream: http.client.HTTPResponse, buf: memoryview) -> None:
-    """Fill ``buf`` from ``stream``; ``IncompleteReadError`` if the body ends first."""
-    got = 0
-    while got < len(buf):
-        n = stream.readinto(buf[got:])
-        if not n:
-            raise IncompleteReadError(actual_bytes=got, expected_bytes=len(buf))
-        got += n
-
-
-@dataclass(frozen=True, slots=True)
-class S3Options:
-    """Connection options, validated once (see the module docstring)."""
-
-    bucket: str
-    endpoint_url: str | None = None
-    region: str = "us-east-1"
-    access_key: str | None = None
-    secret_key: str | None = field(default=None, repr=False)
-    timeout: float = 5.0
-    workers: int = 8
-
-    def __post_init__(self) -> None:
-        if not self.bucket:
-            raise ConfigError("s3 tier: bucket is required")
-        if not isinstance(self.bucket, str) or not _BUCKET_RE.match(self.bucket):
-            raise ConfigError(
-                f"s3 tier bucket {self.bucket!r}: not a bucket name S3 accepts "
-                "(letters, digits, '.', '-', '_'; at most 255)"
-            )
-        url = self.endpoint_url
-        if url:
-            ok = isinstance(url, str) and url.split("://", 1)[0].lower() in ("http", "https")
-            if not ok or not (is_valid_endpoint_url(url) or is_valid_ipv6_endpoint_url(url)):
-                raise ConfigError(
-                    f"s3 tier endpoint_url {masked_url(str(url))!r}: expected an http(s) URL "
-                    "such as 'http://10.0.0.5:9000', or empty for AWS"
-                )
-        if not isinstance(self.region, str) or not re.fullmatch(
-            r"(?![0-9]+$)(?!-)[a-zA-Z0-9-]{0,63}(?<!-)", self.region
-        ):
-            raise ConfigError(f"s3 tier region {self.region!r}: expected a name like 'us-east-1'")
-        if bool(self.access_key) != bool(self.secret_key):
-            raise ConfigError(
-                "s3 tier: access_key and secret_key go together; give both, or neither "
-                "(boto3's usual credential chain)"
-            )
-        if self.timeout <= 0:
-            raise ConfigError(f"s3 tier: timeout must be > 0 seconds, got {self.timeout}")
-        if self.workers < 1:
-            raise ConfigError(f"s3 tier: workers must be >= 1, got {self.workers}")
-
-    def connect(self) -> Any:
-        cfg = Config(
-            connect_timeout=self.timeout,
-            read_timeout=self.timeout,
-            retries={"max_attempts": 1, "mode": "standard"},
-            # blocks carry their own checksum (xxh3) or GCM tag: no second CRC over every byte
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-            max_pool_connections=2 * self.workers,
-        )
-        return boto3.session.Session().client(
-            "s3",
-            endpoint_url=self.endpoint_url or None,
-            region_name=self.region or None,
-            aws_access_key_id=self.access_key or None,
-            aws_secret_access_key=self.secret_key or None,
-            config=cfg,
-        )
 
 
 class S3Tier(RemoteTier):
@@ -240,10 +145,7 @@ class S3Tier(RemoteTier):
         self._parts = ThreadPoolExecutor(options.workers, thread_name_prefix="kvtier-s3-part")
         self._client: Any = None
         self._lock = threading.Lock()
-        #: requests S3 refused (``refused``): misses that left the tier in service
-        self.refusals = 0
-        self._refusal_codes: set[str] = set()
-        self._stats_lock = threading.Lock()
+        self._refusals = Refusals()
 
     @classmethod
     def from_config(cls, layout: KVLayout, spec: Mapping[str, Any]) -> S3Tier:
@@ -357,6 +259,11 @@ class S3Tier(RemoteTier):
             raise exc
         log.warning("s3 tier: S3 refused %s (%s); going on without it", step, _code(exc))
 
+    @property
+    def refusals(self) -> int:
+        """Requests S3 refused (``refused``): misses that left the tier in service."""
+        return self._refusals.count
+
     def _unless_refused(self, fn: Callable[[], T], fallback: T) -> T:
         """``fn()``; ``fallback`` if S3 ``refused`` the request (counted in ``refusals``, the
         first of each code logged: a denied prefix refuses every request)."""
@@ -365,12 +272,7 @@ class S3Tier(RemoteTier):
         except ClientError as exc:
             if not refused(exc):
                 raise
-            code = _code(exc)
-            with self._stats_lock:
-                self.refusals += 1
-                first = code not in self._refusal_codes
-                self._refusal_codes.add(code)
-            if first:
+            if self._refusals.add(_code(exc)):
                 log.warning("s3 tier: S3 refused a request (%s); a miss, tier stays in use", exc)
             return fallback
 
@@ -452,13 +354,13 @@ class S3Tier(RemoteTier):
             raise
         body = resp["Body"]
         flat = None if self.sealer.encrypted or not out.flags.writeable else flat_bytes(out)
-        stream = _http_stream(body) if resp.get("ContentLength") == self.value_bytes else None
+        stream = http_stream(body) if resp.get("ContentLength") == self.value_bytes else None
         value: bytes | bytearray
         if flat is not None and stream is not None:
             value = bytearray(codec.HEADER_BYTES)
             try:
-                _read_exact(stream, memoryview(value))
-                _read_exact(stream, memoryview(flat.data))
+                read_exact(stream, memoryview(value))
+                read_exact(stream, memoryview(flat.data))
             except BaseException:
                 body.close()
                 raise
