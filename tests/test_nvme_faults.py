@@ -28,6 +28,7 @@ from kvtier.keys import BlockKey
 from kvtier.tiers.nvme import NVMeTier
 from kvtier.tiers.nvme_index import JOURNAL_FILE, REC_BYTES, SLOTS_FILE, slot_bytes_for
 from kvtier.tiers.registry import make_tier
+from tests.nvme_helpers import crash
 from tests.tier_conformance import LAYOUT, empty_block, rand_block, rand_key
 
 SLOT = slot_bytes_for(LAYOUT.block_bytes)
@@ -77,17 +78,6 @@ def assert_holds(tier: NVMeTier, blocks: Blocks) -> None:
     outs = [empty_block() for _ in blocks]
     assert tier.get_into(list(blocks), outs) == [True] * len(blocks)
     assert all(o.tobytes() == b.tobytes() for o, b in zip(outs, blocks.values(), strict=True))
-
-
-def crash(tier: NVMeTier) -> None:
-    """What a killed process leaves: no snapshot written, locks and files released."""
-    for dev in tier._devs:
-        assert dev.dindex is not None
-        os.close(dev.dindex._jfd)
-        dev.dindex = None
-        for fd in (dev.fd, dev.lock_fd):
-            os.close(fd)
-        dev.fd = dev.lock_fd = -1
 
 
 def open_fds() -> int:
@@ -237,6 +227,7 @@ CHILD = """
 import sys
 from kvtier.errors import ConfigError
 from kvtier.tiers.nvme import NVMeTier
+from tests.nvme_helpers import crash
 from tests.tier_conformance import LAYOUT
 try:
     NVMeTier(LAYOUT, [sys.argv[1]], 8 * 4096).close()

@@ -33,6 +33,7 @@ from kvtier.tiers.nvme_index import (
     SlotIO,
     slot_bytes_for,
 )
+from tests.nvme_helpers import crash, patch_file, slot_of
 from tests.tier_conformance import LAYOUT, empty_block, rand_block, rand_key
 
 SLOT = slot_bytes_for(LAYOUT.block_bytes)
@@ -62,35 +63,6 @@ def loaded(tier: NVMeTier, blocks: Blocks) -> list[bool]:
 
 def rebuilds(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if REBUILT in r.getMessage()]
-
-
-def slot_of(tier: NVMeTier, key: BlockKey) -> tuple[Path, int]:
-    """(slot file, byte offset) of ``key``'s slot."""
-    slot = tier._table.acquire(key)
-    assert slot is not None
-    tier._table.release(slot)
-    nd = len(tier._devs)
-    return tier._devs[slot % nd].path / SLOTS_FILE, (slot // nd) * tier.slot_bytes
-
-
-def patch(path: Path, offset: int, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        os.pwrite(fd, data, offset)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def crash(tier: NVMeTier) -> None:
-    """What a killed process leaves: no snapshot written on close, files and locks released."""
-    for dev in tier._devs:
-        assert dev.dindex is not None
-        os.close(dev.dindex._jfd)
-        dev.dindex = None
-        for fd in (dev.fd, dev.lock_fd):
-            os.close(fd)
-        dev.fd = dev.lock_fd = -1
 
 
 def digest(path: Path) -> str:
@@ -157,7 +129,7 @@ def test_a_damaged_payload_is_a_miss_the_rest_recovered(tmp_path: Path) -> None:
     keys = list(blocks)
     path, off = slot_of(tier, keys[3])
     tier.close()
-    patch(path, off + codec.HEADER_BYTES + 500, b"\xa5\x5a\xa5")  # bit rot in the payload
+    patch_file(path, off + codec.HEADER_BYTES + 500, b"\xa5\x5a\xa5")  # bit rot in the payload
     (path.parent / SNAP_FILE).unlink()
     again = open_tier(tmp_path)
     got = loaded(again, blocks)
@@ -239,7 +211,9 @@ def test_blocks_of_another_layout_in_the_slot_file_are_not_recovered(tmp_path: P
         f.seek(off1)
         hdr = codec.unpack_header(f.read(codec.HEADER_BYTES))
     assert hdr is not None and hdr.key == keys[1]
-    patch(path, off1, codec.pack_header(hdr.key, other.fingerprint, hdr.payload_len, hdr.checksum))
+    patch_file(
+        path, off1, codec.pack_header(hdr.key, other.fingerprint, hdr.payload_len, hdr.checksum)
+    )
     (path.parent / META_FILE).write_bytes(b"\0" * 10)  # and the meta that would say so is lost
     again = open_tier(tmp_path)
     held = set(again.keys())
@@ -259,7 +233,7 @@ def test_a_bad_record_in_the_middle_of_the_journal_is_rebuilt(
     crash(tier)  # the journal is the only record of these puts
     journal = tmp_path / "nvme0" / JOURNAL_FILE
     assert journal.stat().st_size == 6 * REC_BYTES
-    patch(journal, 2 * REC_BYTES + 12, b"\xff\xff")  # the third record, inside its key
+    patch_file(journal, 2 * REC_BYTES + 12, b"\xff\xff")  # the third record, inside its key
     with caplog.at_level(logging.WARNING):
         again = open_tier(tmp_path)
     assert all(loaded(again, blocks))
@@ -334,7 +308,7 @@ def test_slots_larger_than_one_scan_read_are_recovered(
     blocks = store(tier, 3)
     path, off = slot_of(tier, list(blocks)[2])
     tier.close()
-    patch(path, off + big.block_bytes, b"\x01")  # near the end of the last block's payload
+    patch_file(path, off + big.block_bytes, b"\x01")  # near the end of the last block's payload
     (path.parent / SNAP_FILE).unlink()
     with caplog.at_level(logging.WARNING):
         again = open_tier(tmp_path, blocks=4, layout=big)
@@ -351,7 +325,7 @@ def test_scan_reads_the_same_whatever_its_read_size(tmp_path: Path, chunk: int) 
     path, off = slot_of(tier, list(blocks)[4])
     tier.delete(list(blocks)[5:6])
     tier.close()
-    patch(path, off + 200, b"\0\0\0")
+    patch_file(path, off + 200, b"\0\0\0")
     meta = DirMeta.read(path.parent)
     assert meta is not None
     fd = os.open(path, os.O_RDONLY)

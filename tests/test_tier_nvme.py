@@ -19,6 +19,7 @@ from kvtier.tiers.nvme import NVMeTier
 from kvtier.tiers.nvme_check import check_dir
 from kvtier.tiers.nvme_index import SLOTS_FILE, SNAP_FILE, SlotIO, slot_bytes_for
 from kvtier.tiers.registry import make_tier
+from tests.nvme_helpers import crash, patch_file, slot_of
 from tests.tier_conformance import LAYOUT, TierConformance, empty_block, rand_block, rand_key
 
 SLOT = slot_bytes_for(LAYOUT.block_bytes)
@@ -32,24 +33,6 @@ def open_tier(tmp_path: Path, blocks: int = 8, n_dirs: int = 2, **kw: object) ->
     return NVMeTier(LAYOUT, dirs(tmp_path, n_dirs), blocks * SLOT, **kw)  # type: ignore[arg-type]
 
 
-def slot_offset(tier: NVMeTier, key: BlockKey) -> tuple[Path, int]:
-    """(slot file, byte offset of the slot) holding ``key``."""
-    slot = tier._table.acquire(key)
-    assert slot is not None
-    tier._table.release(slot)
-    nd = len(tier._devs)
-    return tier._devs[slot % nd].path / SLOTS_FILE, (slot // nd) * tier.slot_bytes
-
-
-def patch_file(path: Path, offset: int, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        os.pwrite(fd, data, offset)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class TestNVMeTier(TierConformance):
     def make_tier(self, layout: KVLayout, capacity_blocks: int, tmp_path: Path) -> Tier:
         return NVMeTier(
@@ -58,7 +41,7 @@ class TestNVMeTier(TierConformance):
 
     def corrupt(self, tier: Tier, key: BlockKey) -> bool:
         assert isinstance(tier, NVMeTier)
-        path, off = slot_offset(tier, key)
+        path, off = slot_of(tier, key)
         byte = os.pread(os.open(path, os.O_RDONLY), 1, off + 100)
         patch_file(path, off + 100, bytes([byte[0] ^ 0x10]))
         return True
@@ -97,13 +80,7 @@ def test_journal_replay_without_clean_close(tmp_path: Path) -> None:
     tier.put(keys[:4], [rand_block(seed=i) for i in range(4)])
     tier.delete(keys[1:2])
     tier.put(keys[4:], [rand_block(seed=i) for i in range(4, 6)])
-    # simulate a crash: drop the locks without writing the snapshot
-    for dev in tier._devs:
-        os.close(dev.lock_fd)
-        dev.lock_fd = -1
-        assert dev.dindex is not None
-        os.close(dev.dindex._jfd)
-        dev.dindex = None
+    crash(tier)  # drop the locks without writing the snapshot
     again = open_tier(tmp_path)
     assert set(again.keys()) == {keys[0], keys[2], keys[3], keys[4], keys[5]}
     out = empty_block()
@@ -141,7 +118,7 @@ def test_torn_slot_found_on_reopen_and_by_check(tmp_path: Path) -> None:
     tier = open_tier(tmp_path)
     keys = [rand_key() for _ in range(4)]
     tier.put(keys, [rand_block(seed=i) for i in range(4)])
-    path, off = slot_offset(tier, keys[2])
+    path, off = slot_of(tier, keys[2])
     tier.close()
     patch_file(path, off + 64 + 10, b"\xff" * 64)  # half-written payload
     report = check_dir(path.parent)
@@ -157,7 +134,7 @@ def test_header_bit_flip_and_truncation_are_misses(tmp_path: Path) -> None:
     tier = open_tier(tmp_path, n_dirs=1)
     keys = [rand_key() for _ in range(4)]
     tier.put(keys, [rand_block(seed=i) for i in range(4)])
-    path, off0 = slot_offset(tier, keys[0])
+    path, off0 = slot_of(tier, keys[0])
     tier.close()
     patch_file(path, off0 + 20, b"\x01")  # inside the key field of the header
     os.truncate(path, 2 * SLOT + 100)  # slots 2 and 3 cut off
@@ -189,7 +166,7 @@ def test_check_fix_drops_bad_slots(tmp_path: Path) -> None:
     tier = open_tier(tmp_path, n_dirs=1)
     keys = [rand_key() for _ in range(3)]
     tier.put(keys, [rand_block(seed=i) for i in range(3)])
-    path, off = slot_offset(tier, keys[1])
+    path, off = slot_of(tier, keys[1])
     tier.delete(keys[2:])  # its bytes stay on disk: an orphan
     tier.close()
     patch_file(path, off + 64, b"\0\1\2\3")
