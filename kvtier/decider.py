@@ -199,6 +199,10 @@ class Decider:
                 retry = True  # another tier still holds a copy
             elif not e.tiers & bit or e.leaving & bit:
                 pass  # an eviction took it out of that tier, or is doing so: a plain miss
+            elif failed.tier in self.shared:
+                # a shared tier evicts on its own, and its breaker may be open: a plain miss
+                # (the tier drops and counts what it finds corrupt itself)
+                idx.drop(failed.key, failed.tier)
             else:  # the index says it is there: lost or corrupt
                 idx.drop(failed.key, failed.tier)
                 self.counters.invalid_blocks += 1

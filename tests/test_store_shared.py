@@ -65,3 +65,24 @@ def test_a_shared_tier_that_raises_is_a_miss(redis_url: str) -> None:
         assert st.lookup(TOKENS) == 0
         assert st.load(TOKENS, out) == 0
         assert st.prefetch(TOKENS) == 0
+
+
+def test_a_shared_block_the_server_dropped_is_a_miss_not_a_loss(redis_url: str) -> None:
+    """The index lists a block in the shared tier (written through), the server evicts it on
+    its own: a plain miss, not counted as lost or corrupt."""
+    prefix = "ev" + uuid.uuid4().hex[:8]
+    shared = RedisTier(LAY, RedisOptions(url=redis_url), prefix=prefix)
+    with TieredStore(LAY, [HostTier(LAY, 4 * LAY.block_bytes), shared], model_id="m") as st:
+        short = TOKENS[: 4 * LAY.block_tokens]
+        kv = _kv(len(short))
+        assert st.store(short, kv) == len(short)
+        st.flush()
+        other = list(range(10_000, 10_000 + 4 * LAY.block_tokens))
+        st.store(other, _kv(len(other)))  # the host tier drops the first prompt; Redis keeps it
+        st.flush()
+        assert st.locate(short)[0] == "redis"
+        client = shared.client()
+        client.delete(*client.keys(f"{prefix}*"))  # the server evicts everything
+        out = np.zeros_like(kv)
+        assert st.load(short, out) == 0
+        assert st.stats()["store"]["invalid_blocks"] == 0
