@@ -2,9 +2,10 @@
 
 A full disk (a real tmpfs, filled up by someone else) costs only the puts that could not be
 journaled: the directory refuses puts while it is full, serves every block it already holds,
-takes puts again once space frees up, and a close or a crash on it loses nothing. A directory
+takes puts again once space frees up, and a close or a crash on it loses nothing; while another
+directory has room the tier stays ``healthy`` and the store keeps demoting to it. A directory
 that cannot be used is a ``ConfigError`` at construction that names it and the reason, and
-leaves nothing behind.
+leaves nothing behind, in that directory or in the ones opened before it.
 """
 
 from __future__ import annotations
@@ -25,9 +26,19 @@ import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey
+from kvtier.store import TieredStore
+from kvtier.tiers.host import HostTier
 from kvtier.tiers.nvme import NVMeTier
-from kvtier.tiers.nvme_index import JOURNAL_FILE, REC_BYTES, SLOTS_FILE, slot_bytes_for
+from kvtier.tiers.nvme_index import (
+    JOURNAL_FILE,
+    META_FILE,
+    REC_BYTES,
+    SLOTS_FILE,
+    SNAP_FILE,
+    slot_bytes_for,
+)
 from kvtier.tiers.registry import make_tier
+from tests.helpers import SMALL, kv_for
 from tests.nvme_helpers import crash
 from tests.tier_conformance import LAYOUT, empty_block, rand_block, rand_key
 
@@ -147,6 +158,41 @@ def test_puts_go_to_the_directories_with_room(small_fs: Path, tmp_path: Path) ->
     tier.close()
 
 
+def test_one_full_directory_of_two_does_not_stop_demotions(small_fs: Path, tmp_path: Path) -> None:
+    """``healthy`` is "a put can succeed now": the store skips unhealthy tiers, so one full
+    directory must not make the whole NVMe tier look down while the other has room."""
+    paths = [small_fs / "kv", tmp_path / "roomy"]
+    nvme = NVMeTier(SMALL, paths, 64 * slot_bytes_for(SMALL.block_bytes))
+    filler = fill(small_fs)
+    for _ in range(200):  # until the full directory refuses a put (its journal needs a page)
+        if nvme.put([rand_key()], [np.zeros(SMALL.block_bytes, np.uint8)]) == [False]:
+            break
+    assert nvme._devs[0].full and not nvme._devs[1].full
+    assert nvme.healthy  # the roomy directory takes puts
+    roomy = nvme._devs[1].dindex
+    assert roomy is not None
+    held = len(roomy.entries)
+    prompts = [[s] * 8 for s in range(1, 7)]  # 12 blocks; the host tier holds 4
+    with TieredStore(SMALL, [HostTier(SMALL, 4 * SMALL.block_bytes), nvme]) as st:
+        for p in prompts:
+            st.store(p, kv_for(p))
+        st.flush()
+        assert st.stats()["store"]["demotions"] >= 8 and len(roomy.entries) >= held + 8
+        assert all(st.lookup(p) == 8 for p in prompts)
+        assert st.locate(prompts[0]) == ["nvme", "nvme"]
+        out = np.zeros(SMALL.kv_shape(8), SMALL.storage_dtype)
+        assert st.load(prompts[0], out) == 8 and out.tobytes() == kv_for(prompts[0]).tobytes()
+    filler.unlink()
+
+
+def test_every_directory_full_is_unhealthy(small_fs: Path, tmp_path: Path) -> None:
+    tier = NVMeTier(LAYOUT, [small_fs / "kv"], 64 * SLOT)
+    fill(small_fs)
+    put_each(tier, 200, seed=0)
+    assert not tier.healthy  # nothing can take a put: the store stops demoting here
+    tier.close()
+
+
 def test_crash_after_a_failed_append_recovers_exactly_what_was_stored(small_fs: Path) -> None:
     path = small_fs / "kv"
     tier = NVMeTier(LAYOUT, [path], 256 * SLOT)
@@ -178,6 +224,38 @@ def test_partial_record_at_the_end_of_the_journal_hides_nothing(tmp_path: Path) 
     crash(tier)
     again = NVMeTier(LAYOUT, [path], 8 * SLOT)
     assert_holds(again, stored)
+    again.close()
+
+
+def test_bad_records_at_the_end_of_the_journal_are_cut_off_even_on_a_full_disk(
+    small_fs: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A crash can leave whole bad records at the end (zeros). The open cuts them off even when
+    the disk is too full for its compaction; kept, the next append would land after them and
+    the open after that would see a bad record before a good one: a rebuild, bringing a
+    deleted block back."""
+    path = small_fs / "kv"
+    tier = NVMeTier(LAYOUT, [path], 64 * SLOT)
+    stored = put_each(tier, 5, seed=0)
+    crash(tier)
+    with open(path / JOURNAL_FILE, "ab") as f:
+        f.write(bytes(REC_BYTES))
+    filler = fill(small_fs)
+    tier = NVMeTier(LAYOUT, [path], 64 * SLOT)  # no room for the compaction: deferred
+    assert (path / JOURNAL_FILE).stat().st_size == 5 * REC_BYTES
+    gone = list(stored)[:2]
+    tier.delete(gone)
+    for k in gone:
+        del stored[k]
+    k, b = rand_key(), rand_block(seed=9)
+    assert tier.put([k], [b]) == [True]  # its record fits in the journal's last page
+    stored[k] = b
+    crash(tier)
+    filler.unlink()
+    with caplog.at_level(logging.WARNING):
+        again = NVMeTier(LAYOUT, [path], 64 * SLOT)
+    assert "rebuilt" not in caplog.text
+    assert_holds(again, stored)  # the deleted blocks stay deleted
     again.close()
 
 
@@ -217,10 +295,37 @@ def test_a_regular_file_as_directory_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not a directory"):
         make_tier(LAYOUT, {"kind": "nvme", "paths": [str(afile)], "capacity": 8 * SLOT})
     good = tmp_path / "good"
-    with pytest.raises(ConfigError, match="afile"):  # the good one opened first is released
+    with pytest.raises(ConfigError, match="afile"):  # the good one opened first is undone too
         NVMeTier(LAYOUT, [good, afile], 8 * SLOT)
     assert afile.read_text() == "x" and open_fds() == fds
+    assert not good.exists()  # no slot file, snapshot, meta or lock left behind
     NVMeTier(LAYOUT, [good], 8 * SLOT).close()
+
+
+def test_a_failed_open_leaves_the_directories_opened_before_it_as_they_were(
+    tmp_path: Path,
+) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    mine = tmp_path / "mine"  # the user's directory, with a file of theirs
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    kv = tmp_path / "kv"  # a tier directory, with blocks
+    tier = NVMeTier(LAYOUT, [kv], 8 * SLOT)
+    stored = put_each(tier, 4, seed=0)
+    tier.close()
+    before = {p.name: p.read_bytes() for p in kv.iterdir()}
+    fds = open_fds()
+    with pytest.raises(ConfigError, match="afile"):  # kv grows to 16 slots, then afile fails
+        NVMeTier(LAYOUT, [kv, mine, afile], 3 * 16 * SLOT)
+    assert open_fds() == fds
+    assert sorted(p.name for p in mine.iterdir()) == ["kvtier.lock", "notes.txt"]
+    assert {p.name: p.read_bytes() for p in kv.iterdir()} == before  # shrunk back, same meta
+    assert (kv / SLOTS_FILE).stat().st_size == 8 * SLOT
+    assert {SNAP_FILE, META_FILE} <= set(before)
+    again = NVMeTier(LAYOUT, [kv], 8 * SLOT)
+    assert_holds(again, stored)
+    again.close()
 
 
 CHILD = """

@@ -4,11 +4,15 @@ A damaged or missing ``index.snap``, a ``kvtier.meta`` that does not parse, or a
 bad record in the middle costs a scan of the slot file, not the warm cache: every slot whose
 header names this layout and whose payload verifies comes back, bit for bit; a damaged slot or a
 block of another layout does not. The rebuilt index is snapshotted at once, so the next open is
-the fast path again. A meta that names another layout still starts the directory empty.
+the fast path again. A meta that names another layout still starts the directory empty. A read
+error during the rebuild degrades that directory instead of trusting a partial scan. ``kvtier
+check`` calls an untrusted index a problem, and ``--fix`` rebuilds it the same way, never
+zeroing a block the rebuild would recover.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -22,7 +26,7 @@ from kvtier import codec
 from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
 from kvtier.tiers.nvme import NVMeTier
-from kvtier.tiers.nvme_check import check_dir, scan_slots
+from kvtier.tiers.nvme_check import check_dir
 from kvtier.tiers.nvme_index import (
     JOURNAL_FILE,
     META_FILE,
@@ -33,6 +37,7 @@ from kvtier.tiers.nvme_index import (
     SlotIO,
     slot_bytes_for,
 )
+from kvtier.tiers.nvme_recover import scan_slots
 from tests.nvme_helpers import crash, patch_file, slot_of
 from tests.tier_conformance import LAYOUT, empty_block, rand_block, rand_key
 
@@ -137,6 +142,48 @@ def test_a_damaged_payload_is_a_miss_the_rest_recovered(tmp_path: Path) -> None:
     assert keys[3] not in set(again.keys())  # not indexed at all: its slot is free
     assert again.usage().used_blocks == 9
     again.close()
+
+
+class EIOAfter(SlotIO):
+    """Reads of ``path`` at or past ``offset`` fail with EIO (a bad sector)."""
+
+    def __init__(self, path: Path, offset: int) -> None:
+        self.path, self.offset = str(path), offset
+
+    def pread(self, fd: int, buf: memoryview, offset: int) -> None:
+        if offset + len(buf) > self.offset and os.readlink(f"/proc/self/fd/{fd}") == self.path:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        super().pread(fd, buf, offset)
+
+
+def test_a_read_error_during_the_rebuild_degrades_the_directory(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A partial scan must not become the trusted index: it would forget every block after the
+    bad sector for good. The directory opens degraded (its blocks are misses, the other
+    directory serves and takes puts) and its files stay, so a later open rebuilds it whole."""
+    tier = open_tier(tmp_path, n_dirs=2)
+    blocks = store(tier, 40)
+    tier.close()
+    d0 = tmp_path / "nvme0"
+    (d0 / SNAP_FILE).write_bytes(b"garbage")
+    snap = digest(d0 / SNAP_FILE)
+    io = EIOAfter(d0 / SLOTS_FILE, 10 * SLOT)  # slots 10.. of nvme0 cannot be read
+    with caplog.at_level(logging.WARNING):
+        again = NVMeTier(LAYOUT, [tmp_path / "nvme0", tmp_path / "nvme1"], 64 * SLOT, io=io)
+    assert again._devs[0].failed and not again._devs[1].failed
+    assert again.healthy  # nvme1 still takes puts
+    got = loaded(again, blocks)
+    assert sum(got) == 20 and again.usage().used_blocks == 20  # nvme1's half
+    logged = [r.levelno for r in caplog.records if "O_DIRECT" not in r.getMessage()]
+    assert logged == [logging.ERROR]  # one line: why, where the scan stopped, what it costs
+    assert "stopped at slot" in caplog.text and "degraded" in caplog.text
+    more = store(again, 4, seed=100)  # all on nvme1
+    again.close()
+    assert digest(d0 / SNAP_FILE) == snap  # no snapshot of a partial scan
+    whole = open_tier(tmp_path, n_dirs=2)
+    assert all(loaded(whole, blocks | more))
+    whole.close()
 
 
 # -- a damaged meta ------------------------------------------------------------------------
@@ -274,6 +321,41 @@ def test_the_old_journal_is_never_replayed_over_a_rebuilt_snapshot(tmp_path: Pat
     again = open_tier(tmp_path)
     assert set(again.keys()) == after_rebuild
     assert all(loaded(again, {k: blocks[k] for k in after_rebuild}))
+    again.close()
+
+
+# -- kvtier check on an index that cannot be trusted ----------------------------------------
+@pytest.mark.parametrize("damage", ["snapshot", "journal"])
+def test_check_calls_an_untrusted_index_a_problem_and_fix_rebuilds_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str
+) -> None:
+    """Against an index that lacks them, live blocks look like orphans; zeroing them would
+    wipe the warm cache an open would have rebuilt."""
+    from kvtier.cli.main import main
+
+    tier = open_tier(tmp_path)
+    blocks = store(tier, 10)
+    d = tmp_path / "nvme0"
+    if damage == "snapshot":
+        tier.close()
+        (d / SNAP_FILE).write_bytes(b"garbage")
+    else:
+        crash(tier)  # the puts are in the journal only
+        patch_file(d / JOURNAL_FILE, 3 * REC_BYTES + 12, b"\xff\xff")
+    slots = digest(d / SLOTS_FILE)
+    found = check_dir(d)
+    assert found.damaged and found.problems >= 1
+    assert main(["check", str(d)]) == 1
+    assert "index damaged" in capsys.readouterr().out
+    assert digest(d / SLOTS_FILE) == slots  # a plain check changes nothing
+    fixed = check_dir(d, fix=True)
+    assert fixed.rebuilt and (fixed.ok, fixed.fixed, fixed.problems) == (10, 0, 0)
+    assert digest(d / SLOTS_FILE) == slots  # no block zeroed
+    clean = check_dir(d)
+    assert (clean.ok, clean.damaged, clean.problems) == (10, "", 0)
+    assert main(["check", str(d)]) == 0
+    again = open_tier(tmp_path)
+    assert all(loaded(again, blocks)) and again.usage().used_blocks == 10
     again.close()
 
 

@@ -6,6 +6,7 @@ import errno
 import logging
 import os
 import shutil
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -175,9 +176,33 @@ def test_check_fix_drops_bad_slots(tmp_path: Path) -> None:
     found = check_dir(d)
     assert (found.ok, found.torn, found.orphan, found.foreign) == (1, 1, 1, 1)
     assert found.problems == 2  # an orphan is what a delete leaves: not a problem
-    assert check_dir(d, fix=True).fixed == 3
+    assert check_dir(d, fix=True).fixed == 2  # the torn and the foreign slot
     clean = check_dir(d)
-    assert (clean.ok, clean.problems, clean.free) == (1, 0, 7)
+    # the orphan verifies: harmless, and what an index rebuild would bring back, so kept
+    assert (clean.ok, clean.orphan, clean.problems, clean.free) == (1, 1, 0, 6)
+
+
+def test_check_fix_zeroes_an_orphan_that_does_not_verify(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path, n_dirs=1)
+    keys = [rand_key() for _ in range(2)]
+    tier.put(keys, [rand_block(seed=i) for i in range(2)])
+    path, off = slot_of(tier, keys[1])
+    tier.delete(keys[1:])
+    tier.close()
+    patch_file(path, off + 64, b"\0\1\2\3")  # the deleted block's payload rots
+    d = path.parent
+    assert check_dir(d, fix=True).fixed == 1
+    assert (check_dir(d).orphan, check_dir(d).free) == (0, 7)
+
+
+def test_check_releases_everything_when_the_slot_file_is_missing(tmp_path: Path) -> None:
+    open_tier(tmp_path, n_dirs=1).close()
+    d = dirs(tmp_path, 1)[0]
+    (d / SLOTS_FILE).unlink()
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(ConfigError, match=r"nvme0 cannot be checked: .*slots\.dat"):
+        check_dir(d)
+    assert len(os.listdir("/proc/self/fd")) == fds
 
 
 # -- faults --------------------------------------------------------------------------------
@@ -205,6 +230,11 @@ class FaultyIO(SlotIO):
         self._maybe("pread")
         super().pread(fd, buf, offset)
 
+    def fsync(self, fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            self._maybe("fsync_dir")
+        super().fsync(fd)
+
 
 def errors_logged(caplog: pytest.LogCaptureFixture) -> int:
     return sum(1 for r in caplog.records if r.levelno >= logging.ERROR)
@@ -226,6 +256,46 @@ def test_write_fault_is_false_and_degrades(
     assert not tier.healthy
     assert errors_logged(caplog) == 1 and os.strerror(err) in caplog.text
     tier.close()
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO])
+def test_a_directory_fsync_failing_after_a_snapshot_rename_loses_no_stored_block(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, err: int
+) -> None:
+    """Once the new snapshot is renamed in, records of the old generation are ignored: the
+    index must carry on in the new one, and a directory it cannot fsync is an I/O fault (the
+    directory degrades), never a full disk whose compaction can wait. Whatever a crash then
+    leaves, every put reported stored is there."""
+    io = FaultyIO()
+    tier = open_tier(tmp_path, n_dirs=1, io=io)
+    stored = {rand_key(): rand_block(seed=i) for i in range(3)}
+    assert tier.put(list(stored), list(stored.values())) == [True] * 3
+    crash(tier)  # the journal holds the three puts
+    io.fail["fsync_dir"] = err
+    with pytest.raises(ConfigError, match="directory fsync failed"):
+        open_tier(tmp_path, n_dirs=1, io=io)  # its compaction at open renamed a snapshot in
+    del io.fail["fsync_dir"]
+    tier = open_tier(tmp_path, n_dirs=1, io=io)
+    more = {rand_key(): rand_block(seed=10 + i) for i in range(3)}
+    assert tier.put(list(more), list(more.values())) == [True] * 3
+    stored |= more
+    dindex = tier._devs[0].dindex
+    assert dindex is not None
+    dindex._compact_at = 0  # the next record compacts
+    io.fail["fsync_dir"] = err
+    with caplog.at_level(logging.ERROR):
+        assert tier.put([rand_key()], [rand_block()]) == [False]
+        assert tier.put([rand_key()], [rand_block()]) == [False]
+    assert not tier.healthy and errors_logged(caplog) == 1
+    assert "directory fsync failed" in caplog.text and "out of space" not in caplog.text
+    crash(tier)
+    del io.fail["fsync_dir"]
+    again = open_tier(tmp_path, n_dirs=1)
+    assert set(stored) <= set(again.keys())
+    outs = [empty_block() for _ in stored]
+    assert again.get_into(list(stored), outs) == [True] * len(stored)
+    assert all(o.tobytes() == b.tobytes() for o, b in zip(outs, stored.values(), strict=True))
+    again.close()
 
 
 def test_read_eio_is_a_miss(tmp_path: Path) -> None:
@@ -255,10 +325,13 @@ def test_directory_removed_underneath(tmp_path: Path, caplog: pytest.LogCaptureF
     with caplog.at_level(logging.ERROR):
         got = tier.get_into(keys, [empty_block() for _ in keys])
     assert sorted(got) == [False, False, True, True]  # the other directory still serves
-    assert not tier.healthy and "removed" in caplog.text
+    assert tier.healthy and "removed" in caplog.text  # it still takes puts
     more = [rand_key() for _ in range(4)]
     assert tier.put(more, [rand_block() for _ in more]) == [True, True, False, False]
     assert errors_logged(caplog) == 1
+    shutil.rmtree(dirs(tmp_path)[0])
+    assert tier.get_into(more, [empty_block() for _ in more]) == [False] * 4
+    assert not tier.healthy  # no directory left to take a put
     tier.close()
 
 

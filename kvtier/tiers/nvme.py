@@ -20,17 +20,22 @@ header and the payload checksum, so a torn, stale or foreign slot is a miss and 
 
 Faults. A directory that cannot be opened (a regular file, under one, not writable, too small
 for its slot file, an I/O error) is a configuration mistake: the constructor raises
-``ConfigError`` naming it and the reason, after releasing what it opened and removing what it
-created. After a successful open nothing raises. A full disk (ENOSPC or EDQUOT from the index
-journal, a snapshot or the slot file) is not a fault: the put that hit it is reported False,
-one warning line, and that directory refuses puts (``healthy`` False) while every block it
+``ConfigError`` naming it and the reason, after releasing what it opened and undoing what it
+did in *every* directory (files and directories it created removed, a slot file it grew shrunk
+back, files that were there kept). After a successful open nothing raises. A full disk (ENOSPC
+or EDQUOT from the index journal, a snapshot or the slot file) is not a fault: the put that hit
+it is reported False, one warning line, and that directory refuses puts while every block it
 already holds stays readable; every ``FULL_RETRY_S`` seconds puts may try again, and the first
 one that is journaled makes it take puts again. A snapshot that does not fit on close leaves
 the previous one and the journal, so a reopen recovers everything. Any other fault (EIO,
-EACCES, the directory removed underneath) marks that directory degraded: one error log line,
-its blocks become misses, puts go to the remaining directories, and ``healthy`` turns False,
-sticky for the life of the tier (reopen to retry). Caller mistakes raise (``LayoutError``,
-``ConfigError``, and ``TierLockedError`` when another process owns a directory).
+EACCES, the directory removed underneath, a directory fsync failing after a snapshot rename, a
+read error while rebuilding an untrusted index at open) marks that directory degraded: one
+error log line, its blocks become misses, and puts go to the remaining directories, sticky
+for the life of the tier (reopen to retry). ``healthy`` means "a put can succeed now": True
+while at least one directory takes puts, so the store keeps demoting to the directories with
+room, and False once every directory is full (until its retry time) or degraded. Caller
+mistakes raise (``LayoutError``, ``ConfigError``, and ``TierLockedError`` when another
+process owns a directory).
 
 Thread-safety: all data methods may be called concurrently; ``close`` must not race them.
 
@@ -58,8 +63,9 @@ from kvtier.config import check_keys, parse_bool, parse_int, parse_size
 from kvtier.errors import ConfigError, LayoutError
 from kvtier.keys import BlockKey, key_hex
 from kvtier.layout import KVLayout
+from kvtier.tiers import nvme_device
 from kvtier.tiers.base import Array
-from kvtier.tiers.nvme_device import FULL_RETRY_S, Device, ODirectMode
+from kvtier.tiers.nvme_device import Device, ODirectMode
 from kvtier.tiers.nvme_index import (
     ALIGN,
     DirIndex,
@@ -149,13 +155,22 @@ class NVMeTier(SlotTier):
             restored: dict[BlockKey, int] = {}
             for dev in self._devs:
                 dev.open(meta, warm_restart, o_direct, self._io)
+                if dev.failed:  # opened degraded (its index could not be rebuilt)
+                    continue
                 for local, (key, csum) in self._index(dev).entries.items():
                     g = local * nd + dev.index
                     restored[BlockKey(key)] = g
                     self._checksums[g] = csum
             self._table.restore(restored)
+            for dev in self._devs:
+                if dev.failed:
+                    self._table.purge(self._on(dev))
         except BaseException:
-            self.close()
+            # leave every directory as this open found it, not just the one that failed
+            self._closed = True
+            self._pool.shutdown(wait=True)
+            for dev in self._devs:
+                dev.abandon()
             raise
         buffered = [str(d.path) for d in self._devs if not d.direct]
         if buffered and o_direct == "auto":
@@ -192,9 +207,11 @@ class NVMeTier(SlotTier):
     # -- queries -----------------------------------------------------------------------------
     @property
     def healthy(self) -> bool:
-        """False while a directory is degraded or full (and not yet due to retry)."""
+        """A put can succeed now: some directory is neither degraded nor full (or its retry
+        time has come). One full or degraded directory of several does not stop puts (they go
+        to the others), so it does not make the tier unhealthy."""
         now = time.monotonic()
-        return all(d.accepting(now) for d in self._devs)
+        return any(d.accepting(now) for d in self._devs)
 
     @property
     def o_direct(self) -> bool:
@@ -397,7 +414,7 @@ class NVMeTier(SlotTier):
                 dev.path,
                 what,
                 exc,
-                FULL_RETRY_S,
+                nvme_device.FULL_RETRY_S,
             )
 
     def _fail(self, dev: Device, what: str, exc: OSError) -> None:

@@ -4,19 +4,25 @@ meta), its state (healthy, full, failed), noticing it vanish, closing it.
 Global slot ``g`` lives in directory ``g % D`` at local slot ``g // D``.
 
 A directory that cannot be opened is a configuration problem: ``open`` raises ``ConfigError``
-naming it and the reason, and leaves nothing behind. After a successful open, a full disk
-(ENOSPC, EDQUOT) makes the directory *full*: it refuses puts, keeps serving what it holds, and
-lets puts try again every ``FULL_RETRY_S`` seconds; any other fault makes it *failed* for good.
+naming it and the reason, and leaves nothing behind; ``abandon`` undoes a successful ``open``
+the same way when a later directory of the tier fails to open. After a successful open, a full
+disk (ENOSPC, EDQUOT) makes the directory *full*: it refuses puts, keeps serving what it holds,
+and lets puts try again every ``FULL_RETRY_S`` seconds; any other fault makes it *failed* for
+good. While it is full, each of its slots a put draws from the shared free list is set aside
+(``park``) and the put draws again; after each failed retry they are all free again, so parking
+them costs O(its free slots) per retry window (at worst in one put).
 
 A warm open whose index cannot be trusted (a damaged or missing snapshot, a damaged journal, a
-meta that does not parse) rebuilds it from the slot headers (``nvme_recover``); a meta of
-another layout, or none at all, starts the directory empty.
+meta that does not parse) rebuilds it from the slot headers (``nvme_recover``); a read error
+during that rebuild opens the directory *failed* (an I/O fault, not a configuration mistake).
+A meta of another layout, or none at all, starts the directory empty.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -27,7 +33,7 @@ from functools import partial
 from pathlib import Path
 from typing import Literal
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, TierLockedError
 from kvtier.tiers.nvme_index import (
     JOURNAL_FILE,
     LOCK_FILE,
@@ -39,9 +45,8 @@ from kvtier.tiers.nvme_index import (
     SlotIO,
     index_reserve,
     is_full,
-    lock_directory,
 )
-from kvtier.tiers.nvme_recover import meta_damaged, rebuild
+from kvtier.tiers.nvme_recover import RebuildError, meta_damaged, rebuild
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +73,7 @@ class Device:
     full_at: float = 0.0  # time.monotonic() of the last out-of-space error
     parked: list[int] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _undo: _Undo | None = field(default=None, repr=False)  # what ``abandon`` must undo
 
     # -- state ---------------------------------------------------------------------------------
     def accepting(self, now: float) -> bool:
@@ -125,17 +131,19 @@ class Device:
         ``ConfigError`` naming the directory and the reason if it cannot be used (not a
         directory, no permission, not enough free space for the slot file, an I/O error) or if
         ``o_direct='always'`` cannot be honoured, and ``TierLockedError`` if another process owns
-        it; either way it first closes what it opened and removes what it created.
+        it; either way it first undoes what it did (``abandon``). A read error while rebuilding
+        an untrusted index is not raised: the directory opens ``failed``, with no index.
         """
-        made = _missing(self.path)
-        before: int | None = None  # the slot file's size before this open (-1: absent)
+        self._undo = _Undo(_missing(self.path))
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             self.lock_fd = lock_directory(self.path)
-            before = _size(self.path / SLOTS_FILE)
+            self._undo.slots_size = _size(self.path / SLOTS_FILE)
+            self._undo.existed = {n for n in _NAMES if os.path.lexists(self.path / n)}
+            self._undo.meta = DirMeta.read(self.path)
             self._open(replace(meta, n_slots=self.n_slots), warm, o_direct, io)
         except BaseException as exc:
-            self._abandon(made, before)
+            self.abandon()
             if isinstance(exc, OSError):
                 raise ConfigError(
                     f"nvme tier directory {self.path} cannot be used: {_why(exc)}; "
@@ -165,9 +173,13 @@ class Device:
             os.close(fd)
         self.fd, self.direct = _open_slots(path, o_direct, io)
         rescan = partial(rebuild, self.path, self.fd, meta, io)
-        self.dindex = DirIndex(
-            self.path, self.n_slots, io, fresh=fresh, rescan=rescan, distrust=distrust
-        )
+        try:
+            self.dindex = DirIndex(
+                self.path, self.n_slots, io, fresh=fresh, rescan=rescan, distrust=distrust
+            )
+        except RebuildError as exc:  # logged by ``rebuild``; the old files stay for a reopen
+            self.set_failed(f"index rebuild: {exc}")
+            return
         if old != meta:  # last: a reopen on a full disk rewrites nothing
             meta.write(self.path)
 
@@ -192,28 +204,25 @@ class Device:
                 f"lower tiers.nvme capacity or free space"
             ) from None
 
-    def _abandon(self, made: list[Path], before: int | None) -> None:
-        """Undo a failed ``open``: close everything, remove what it created, shrink back the
-        slot file it grew."""
+    def abandon(self) -> None:
+        """Undo ``open`` (it failed, or another directory of the tier did): close everything
+        without a snapshot, remove the files it created (and the directories, if it created
+        them), shrink back a slot file it grew and put back a meta it rewrote. Files that were
+        there before stay, and so does a lock file it created in a directory that was there
+        (removing a lock file others may hold open is racy). Idempotent."""
+        undo, self._undo = self._undo, None
         if self.dindex is not None:
             with contextlib.suppress(OSError):
                 self.dindex.close(compact=False)
             self.dindex = None
         if self.fd >= 0:
             os.close(self.fd)
-        slots = self.path / SLOTS_FILE
-        with contextlib.suppress(OSError):
-            if self.lock_fd >= 0:  # only the lock holder may touch the files
-                if made:  # the directory is ours
-                    for name in _OURS:
-                        for p in (self.path / name, self.path / f"{name}.tmp"):
-                            p.unlink(missing_ok=True)
-                elif before == -1:
-                    slots.unlink(missing_ok=True)
-                elif before is not None and _size(slots) > before:
-                    os.truncate(slots, before)
-            for d in made:
-                d.rmdir()  # fails, harmlessly, on a directory someone else filled meanwhile
+        if undo is not None:
+            with contextlib.suppress(OSError):
+                if self.lock_fd >= 0:  # only the lock holder may touch the files
+                    undo.restore(self.path)
+                for d in undo.made:
+                    d.rmdir()  # fails, harmlessly, on a directory someone else filled meanwhile
         if self.lock_fd >= 0:
             os.close(self.lock_fd)
         self.fd = self.lock_fd = -1
@@ -245,6 +254,65 @@ class Device:
             if fd >= 0:
                 os.close(fd)
         self.fd = self.lock_fd = -1
+
+
+def lock_directory(directory: Path) -> int:
+    """Take the directory's exclusive lock; return its fd (close it to release).
+
+    Raises ``TierLockedError`` naming the directory and the holder's PID if another process
+    (or another tier in this process) holds it.
+    """
+    path = directory / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise TierLockedError(
+            f"NVMe tier directory {directory} is in use by process {holder} (lock {path}); "
+            f"stop that process or give this one a different directory"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    try:  # the PID is for the error message above; a full disk must not stop a reopen
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as exc:
+        if not is_full(exc):
+            os.close(fd)
+            raise
+    return fd
+
+
+_NAMES = tuple(n for name in _OURS for n in (name, f"{name}.tmp"))
+
+
+@dataclass(slots=True)
+class _Undo:
+    """What an ``open`` found, so that ``abandon`` can put it back."""
+
+    made: list[Path]  # the directories it creates, deepest first
+    slots_size: int | None = None  # the slot file's size (-1: absent; None: not reached)
+    existed: set[str] = field(default_factory=set)  # which of our files were there
+    meta: DirMeta | None = None  # the meta that was there, if it parsed
+
+    def restore(self, path: Path) -> None:
+        """Put ``path`` (locked by us) back as it was, as far as it can be."""
+        if self.made:  # the directory is ours: everything in it goes
+            names = list(_NAMES)
+        elif self.slots_size is None:
+            return  # the open stopped before touching any file but the lock
+        else:
+            names = [n for n in _NAMES if n not in self.existed and n != LOCK_FILE]
+        for name in names:
+            (path / name).unlink(missing_ok=True)
+        slots, size = path / SLOTS_FILE, self.slots_size
+        if size is not None and 0 <= size < _size(slots):
+            os.truncate(slots, size)
+        if self.meta is not None and DirMeta.read(path) != self.meta:
+            self.meta.write(path)
 
 
 def _missing(path: Path) -> list[Path]:

@@ -17,14 +17,18 @@ Crash safety is an ordering rule, not a recovery procedure:
    after a crash no index entry can point at a slot that was being overwritten.
 3. The snapshot is written to a temp file, fsync'd and renamed; it carries a *generation*, and
    journal records of an older generation are ignored, so a crash between writing the snapshot
-   and truncating the journal replays nothing twice.
+   and truncating the journal replays nothing twice. Once the rename is done the new generation
+   is adopted whatever follows; a directory fsync that then fails (``DirSyncError``, whatever
+   its errno) is an I/O fault, never "no room": the journal is kept and the caller must stop
+   writing to the directory, since it cannot know which snapshot a crash would leave.
 
 A torn or unparsable journal record (a crash mid-append) fails its own checksum and is skipped;
-a partial record at the end is cut off at open, and an append that fails (a full disk) is cut
-back to the last whole record, so records always stay 64-byte aligned and a torn one never hides
-the valid ones written after it. A full disk only ever costs the records that could not be
-written: a snapshot that does not fit leaves the previous snapshot and the journal in place (and
-no ``.tmp`` behind), and DELs that do not fit stay pending until the next append.
+bad or partial records at the end are cut off (at open, or before the next append), and an
+append that fails (a full disk) is cut back to the last whole record, so records always stay
+64-byte aligned and a torn one never hides the valid ones written after it. A full disk only
+ever costs the records that could not be written: a snapshot that does not fit leaves the
+previous snapshot and the journal in place (and no ``.tmp`` behind), and DELs that do not fit
+stay pending until the next append.
 Whatever the index says, a read still verifies the slot header (key, layout) and the payload
 checksum, so a damaged medium yields a miss, never wrong bytes.
 
@@ -41,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import os
 import struct
@@ -53,8 +56,6 @@ from typing import Any
 
 import numpy as np
 import xxhash
-
-from kvtier.errors import TierLockedError
 
 ALIGN = 4096
 META_FILE = "kvtier.meta"
@@ -87,9 +88,14 @@ _SNAP_MAGIC = b"KVTS"
 Entry = tuple[bytes, int]  # (key, payload checksum)
 
 
+class DirSyncError(OSError):
+    """The directory fsync after a rename failed: the rename happened, but whether a crash
+    keeps it is unknown. Never "out of space", whatever its errno."""
+
+
 def is_full(exc: OSError) -> bool:
     """True for "out of space" (ENOSPC, EDQUOT): a full disk, not a broken one."""
-    return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return exc.errno in (errno.ENOSPC, errno.EDQUOT) and not isinstance(exc, DirSyncError)
 
 
 def index_reserve(n_slots: int) -> int:
@@ -142,6 +148,10 @@ class SlotIO:
     def fdatasync(self, fd: int) -> None:
         os.fdatasync(fd)
 
+    def fsync(self, fd: int) -> None:
+        """A full fsync: of a temp file before its rename, of a directory after it."""
+        os.fsync(fd)
+
     def allocate(self, fd: int, size: int) -> None:
         """Make the file exactly ``size`` bytes, with its blocks reserved on the device."""
         if os.fstat(fd).st_size > size:
@@ -177,17 +187,20 @@ class DirMeta:
             return None
 
     def write(self, directory: Path) -> None:
-        atomic_write(directory / META_FILE, json.dumps(asdict(self)).encode())
+        """Replace the meta atomically and durably (temp file + fsync + rename + dir fsync)."""
+        replace_file(directory / META_FILE, json.dumps(asdict(self)).encode(), SlotIO())
+        sync_dir(directory, SlotIO())
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via temp file + fsync + rename + directory fsync."""
+def replace_file(path: Path, data: bytes, io: SlotIO) -> None:
+    """Write ``data`` to a temp file, fsync it and rename it over ``path`` (not yet durable:
+    see ``sync_dir``). On ``OSError`` ``path`` is as it was and no temp file is left."""
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            SlotIO().append(fd, data)
-            os.fsync(fd)
+            io.append(fd, data)
+            io.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
@@ -195,41 +208,20 @@ def atomic_write(path: Path, data: bytes) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)  # the old file stays valid; leave no partial temp
         raise
-    dfd = os.open(path.parent, os.O_RDONLY)
+
+
+def sync_dir(directory: Path, io: SlotIO) -> None:
+    """Make the renames in ``directory`` durable; raises ``DirSyncError`` if it cannot."""
     try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-
-
-def lock_directory(directory: Path) -> int:
-    """Take the directory's exclusive lock; return its fd (close it to release).
-
-    Raises ``TierLockedError`` naming the directory and the holder's PID if another process
-    (or another tier in this process) holds it.
-    """
-    path = directory / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise TierLockedError(
-            f"NVMe tier directory {directory} is in use by process {holder} (lock {path}); "
-            f"stop that process or give this one a different directory"
-        ) from None
-    except BaseException:
-        os.close(fd)
-        raise
-    try:  # the PID is for the error message above; a full disk must not stop a reopen
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            io.fsync(dfd)
+        finally:
+            os.close(dfd)
     except OSError as exc:
-        if not is_full(exc):
-            os.close(fd)
-            raise
-    return fd
+        raise DirSyncError(
+            exc.errno, f"directory fsync failed: {exc.strerror}", str(directory)
+        ) from exc
 
 
 class DirIndex:
@@ -269,14 +261,16 @@ class DirIndex:
         self._compact_at = _journal_limit(n_slots)
         self.entries: dict[int, Entry] = {}
         self.dropped = 0  # entries found invalid at load (duplicates, out of range)
+        self.untrusted = ""  # why the files cannot be trusted ("" if they can)
         self.rebuilt = ""  # why the entries come from ``rescan``, not the files
         if fresh:
             for name in (SNAP_FILE, JOURNAL_FILE):
                 (directory / name).unlink(missing_ok=True)
         else:
             newest, damage = self._load()
-            if (distrust or damage) and rescan is not None:
-                self.rebuilt = distrust or damage
+            self.untrusted = distrust or damage
+            if self.untrusted and rescan is not None:
+                self.rebuilt = self.untrusted
                 self.entries = rescan(self.rebuilt)
                 self.dropped = 0
                 # the next snapshot must outrank every record of the old journal
@@ -285,8 +279,9 @@ class DirIndex:
         if not tidy:
             return
         try:
-            if os.fstat(self._jfd).st_size != self._size:
-                os.ftruncate(self._jfd, self._size)  # a partial record from a crash mid-append
+            if self._torn:  # bad or partial records from a crash mid-append
+                os.ftruncate(self._jfd, self._size)
+                self._torn = False
             if self._records or self.dropped or fresh or self.rebuilt:
                 self._compact_or_defer()
         except BaseException:
@@ -315,6 +310,7 @@ class DirIndex:
         n = len(raw) // REC_BYTES
         self._records = n
         self._size = n * REC_BYTES
+        self._torn = len(raw) != self._size
         newest = 0
         if n:
             recs = np.frombuffer(raw, REC_DTYPE, count=n)
@@ -327,11 +323,14 @@ class DirIndex:
                 dtype=bool,
             )
             good = np.flatnonzero(ok)
+            last = int(good[-1]) + 1 if good.size else 0  # records up to the last good one
             if good.size:
                 newest = int(recs["gen"][good].max())
                 # a crash tears only the end; a bad record before a good one is damage
                 if not ok[: good[-1]].all():
                     damage = damage or f"{JOURNAL_FILE} has a damaged record"
+            if last < n:  # bad records at the end: cut them off, or appends land after them
+                self._records, self._size, self._torn = last, last * REC_BYTES, True
             live = recs[ok & (recs["gen"] == self._gen)]
             for op, slot, key, csum in zip(
                 live["op"].tolist(),
@@ -465,11 +464,14 @@ class DirIndex:
             recs["csum"] = [self.entries[s][1] for s in slots]
         gen = (self._gen + 1) & 0xFFFFFFFF
         body = _SNAP_HEAD.pack(_SNAP_MAGIC, META_VERSION, gen, len(recs)) + recs.tobytes()
-        atomic_write(
-            self.directory / SNAP_FILE, body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
-        )
-        # the snapshot is durable: older-generation records are now ignored, pending DELs moot
+        trailer = struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+        replace_file(self.directory / SNAP_FILE, body + trailer, self._io)
+        # the new snapshot is in place: records of the old generation are ignored from now on,
+        # so later ones must carry the new one, even if the directory fsync fails (which keeps
+        # the journal: the old snapshot may be what a crash leaves)
         self._gen = gen
+        sync_dir(self.directory, self._io)
+        # the snapshot is durable: pending DELs are moot
         self._pending = []
         self._unsynced_dels = 0
         self._compact_at = _journal_limit(self.n_slots)
