@@ -8,6 +8,8 @@ stored for that block only, and leaves the tier in service; a URL that is not a 
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -15,6 +17,7 @@ from typing import Any
 
 import pytest
 import redis
+import redis.cluster
 
 from kvtier.errors import ConfigError
 from kvtier.tiers.redis import RedisOptions, RedisTier, masked
@@ -97,6 +100,79 @@ def test_cluster_with_every_master_dead_is_a_miss_then_recovers(
         fresh.close()
     finally:
         writer.close()
+
+
+def _timed(fn: Any) -> tuple[Any, float]:
+    t0 = time.monotonic()
+    result = fn()
+    return result, time.monotonic() - t0
+
+
+def test_a_hung_shard_costs_a_batch_about_one_timeout(own_cluster: list[ServerProcess]) -> None:
+    """One master of three stops answering (SIGSTOP: the kernel still accepts, nothing replies)
+    with blocks spread over every shard: a 64-key batch costs about one timeout, not one per key
+    on that shard (redis-py resends each command of a shard that timed out on its own: ~20 x
+    the timeout). The tier is back once the shard is."""
+    for n in own_cluster:  # the others must not declare it failed (CLUSTERDOWN) mid-test
+        redis.Redis(port=n.port).config_set("cluster-node-timeout", 60_000)
+    timeout = 0.25
+    addrs = tuple(f"127.0.0.1:{n.port}" for n in own_cluster)
+    opts = RedisOptions(cluster=addrs, timeout=timeout, connect_timeout=timeout)
+    tier = RedisTier(LAYOUT, opts, prefix=_prefix(), hash_tag="block", cooldown_s=0.0)
+    hung = own_cluster[1]
+    assert hung.pid is not None
+    try:
+        keys = [rand_key() for _ in range(64)]
+        blocks = [rand_block(seed=i) for i in range(64)]
+        assert tier.put(keys, blocks) == [True] * 64
+        os.kill(hung.pid, signal.SIGSTOP)
+        ops = {
+            "get_into": lambda: tier.get_into(keys, [empty_block() for _ in keys]),
+            "contains_prefix": lambda: tier.contains_prefix(keys),
+            "put": lambda: tier.put([rand_key() for _ in keys], blocks),
+        }
+        for name, op in ops.items():  # cooldown 0: every call is the trial, and reaches it
+            got, took = _timed(op)
+            assert not any(got) if isinstance(got, list) else got == 0
+            # one timeout; two when a fresh connection's set-up times out and redis-py then
+            # asks the hung node for the slot map
+            assert took < 5 * timeout, f"{name} took {took:.2f}s at timeout {timeout}s"
+        assert tier.breaker.trips == 3  # each call found it out
+    finally:
+        os.kill(hung.pid, signal.SIGCONT)
+    try:
+        assert tier.contains_prefix(keys) == 64 and tier.healthy
+    finally:
+        tier.close()
+
+
+def test_a_moved_slot_is_followed_not_an_outage(own_cluster: list[ServerProcess]) -> None:
+    """A slot changes owner after the client learned the slot map (resharding, failover): the
+    old owner answers MOVED; the tier refreshes the map and resends -- a hit, breaker closed."""
+    addrs = tuple(f"127.0.0.1:{n.port}" for n in own_cluster)
+    tier = RedisTier(LAYOUT, RedisOptions(cluster=addrs), prefix=_prefix(), hash_tag="block")
+    try:
+        assert tier.put([rand_key()], [rand_block()]) == [True]  # the slot map is known now
+        client = tier.client()
+        assert isinstance(client, redis.cluster.RedisCluster)
+        k = rand_key()
+        name = tier.redis_key(k, "")
+        slot = client.keyslot(name)
+        owner = client.get_node_from_key(name)
+        nodes = {n.port: redis.Redis(port=n.port) for n in own_cluster}
+        assert nodes[owner.port].execute_command("CLUSTER COUNTKEYSINSLOT", slot) == 0
+        target = next(r for port, r in nodes.items() if port != owner.port)
+        new_id = target.execute_command("CLUSTER MYID")
+        for r in sorted(nodes.values(), key=lambda r: r is not target):  # new owner first
+            r.execute_command("CLUSTER SETSLOT", slot, "NODE", new_id)
+        b, out = rand_block(seed=5), empty_block()
+        assert tier.put([k], [b]) == [True]
+        assert tier.get_into([k], [out]) == [True] and out.tobytes() == b.tobytes()
+        assert tier.contains_prefix([k]) == 1
+        assert tier.healthy and tier.breaker.trips == 0
+        assert client.get_node_from_key(name).port != owner.port
+    finally:
+        tier.close()
 
 
 # -- a full server (maxmemory + noeviction) ---------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -123,6 +125,37 @@ def test_ttl_expires_blocks(redis_url: str) -> None:
         assert 0 < ttl <= 100
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize("mode", ["single", "cluster"])
+def test_close_closes_the_tiers_connections(mode: str, request: pytest.FixtureRequest) -> None:
+    """redis-py's close() leaves open a connection pool it was given (ours all are): a node
+    that builds and closes tiers must not pile up connections on the server."""
+    if mode == "single":
+        url = request.getfixturevalue("redis_url")
+        opts, ports = RedisOptions(url=url), [int(url.rsplit(":", 1)[1])]
+    else:
+        nodes = tuple(request.getfixturevalue("redis_cluster"))
+        opts, ports = RedisOptions(cluster=nodes), [int(n.rsplit(":", 1)[1]) for n in nodes]
+    admins = [redis.Redis(port=p) for p in ports]
+
+    def connected() -> int:
+        return sum(int(a.info("clients")["connected_clients"]) for a in admins)
+
+    gc.collect()  # connections of tiers other tests dropped go now, not mid-count
+    before = connected()
+    tiers = [RedisTier(LAYOUT, opts, prefix=_prefix(), hash_tag="block") for _ in range(3)]
+    for tier in tiers:
+        keys = [rand_key() for _ in range(8)]
+        assert tier.put(keys, [rand_block()] * 8) == [True] * 8
+        assert tier.contains_prefix(keys) == 8
+    assert connected() >= before + len(tiers)
+    for tier in tiers:
+        tier.close()
+    deadline = time.monotonic() + 2.0
+    while connected() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert connected() == before
 
 
 def test_from_config_via_registry(redis_url: str) -> None:

@@ -16,7 +16,12 @@ trip even in Cluster. The trade-off: one tenant lives on one shard (a hot tenant
 cluster's aggregate bandwidth or memory). ``hash_tag = "block"`` (``<prefix>:<tenant>:{<hex>}``)
 spreads blocks over every shard instead; lookups and batches are then one pipeline that redis-py
 fans out to the shards (requests to all nodes are written before any reply is read, so it is one
-round trip in latency, one per shard in count).
+round trip in latency, one per shard in count). Nothing of such a pipeline is resent: redis-py
+would resend each command a shard did not answer on its own, one ``timeout`` per key on a hung
+shard; so a hung shard costs a batch one ``timeout`` (two when a fresh connection's set-up times
+out and redis-py then asks that node for the slot map). A ``MOVED`` reply (the slot map changed:
+resharding, failover) refreshes the map once and resends those commands once; a slot still
+redirected (``ASK``: mid-migration) is that key's miss.
 
 **Batches.** ``get_into``/``put``/``delete`` use one non-transactional pipeline per
 ``batch_bytes`` of values. Puts go out zero-copy: the sealed buffer is handed to the socket as a
@@ -33,7 +38,8 @@ are off. Two kinds of error, told apart by ``refused``:
   once for ``cooldown`` seconds, reports ``healthy`` False, then lets one trial call through
   (``healthy`` is True again once the trial is due: see ``breaker``).
 - *The server refused one request* (``OOM`` on a write when it is full with ``noeviction``,
-  ``WRONGTYPE``, ``READONLY``, ``NOPERM``, ...): that block is a miss / not stored, counted in
+  ``WRONGTYPE``, ``READONLY``, ``NOPERM``, a Cluster slot still redirected after one refresh of
+  the slot map, ...): that block is a miss / not stored, counted in
   ``refusals`` and logged once per kind; the breaker is not touched, so reads go on while writes
   are refused. Pipelines run with ``raise_on_error=False``, so one refused key of a batch does
   not cost the others. A value of another Redis type at a block's key (``WRONGTYPE``) is not a
@@ -64,9 +70,9 @@ from typing import Any, Literal, TypeVar
 import redis
 import redis.cluster
 from redis.exceptions import (
-    AskError,
     AuthenticationWrongNumberOfArgsError,
     ClusterError,
+    MovedError,
     RedisClusterException,
     ResponseError,
 )
@@ -89,9 +95,10 @@ HashTag = Literal["tenant", "block"]
 #: what a server call can raise: redis-py's errors, socket errors, and the Cluster client's own
 #: exceptions, which are no RedisError ("Redis Cluster cannot be connected", SlotNotCoveredError)
 _ERRORS: tuple[type[BaseException], ...] = (redis.RedisError, RedisClusterException, OSError)
-#: error replies that still mean the cluster is not serving (CLUSTERDOWN, MASTERDOWN, a MOVED or
-#: ASK left over after redirection, an AUTH the server does not understand)
-_NOT_SERVING = (ClusterError, AskError, AuthenticationWrongNumberOfArgsError)
+#: error replies that still mean the cluster is not serving (CLUSTERDOWN, MASTERDOWN, redirections
+#: redis-py gave up following, an AUTH the server does not understand). A MOVED or ASK reply to one
+#: command of our pipelines is about that key's slot: a refused request (see ``_cluster_batch``).
+_NOT_SERVING = (ClusterError, AuthenticationWrongNumberOfArgsError)
 # Longest present prefix, in one command: stops at the first missing key.
 _PREFIX_LUA = """
 for i = 1, #KEYS do
@@ -103,9 +110,10 @@ return #KEYS
 
 def refused(exc: BaseException) -> bool:
     """Did the server answer this one request with an error (``OOM`` on a write, ``WRONGTYPE``,
-    ``READONLY``, ``NOPERM``, ...)? That is the request's outcome, not an outage: the server is
-    up and answering, so it must not open the breaker. Anything else (connection, timeout,
-    ``LOADING``, ``CLUSTERDOWN``, cluster unreachable, AUTH) means the server is not serving."""
+    ``READONLY``, ``NOPERM``, a slot redirected elsewhere, ...)? That is the request's outcome,
+    not an outage: the server is up and answering, so it must not open the breaker. Anything
+    else (connection, timeout, ``LOADING``, ``CLUSTERDOWN``, cluster unreachable, AUTH) means
+    the server is not serving."""
     return isinstance(exc, ResponseError) and not isinstance(exc, _NOT_SERVING)
 
 
@@ -211,16 +219,48 @@ class RedisTier(RemoteTier):
                 self._script = self._client.register_script(_PREFIX_LUA)
             return self._client
 
-    def _pipeline(self) -> Any:
-        return self.client().pipeline(transaction=False)
-
-    def _execute(self, pipe: Any) -> list[Any]:
-        """Run ``pipe``: one reply per command, a refused command's error in its place. Raises
-        the first error that means the server is not serving (for ``guard``'s breaker)."""
-        replies = list(pipe.execute(raise_on_error=False))
+    def _run(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Run ``commands`` (raw ``("GET", name)`` tuples) as one non-transactional pipeline: one
+        reply per command, a refused command's error in its place. Raises the first error that
+        means the server is not serving (for ``guard``'s breaker)."""
+        client = self.client()
+        if isinstance(client, redis.cluster.RedisCluster):
+            replies = self._cluster_batch(client, commands)
+        else:
+            pipe: Any = client.pipeline(transaction=False)
+            for c in commands:
+                pipe.execute_command(*c)
+            replies = list(pipe.execute(raise_on_error=False))
         for r in replies:
             if isinstance(r, Exception) and not refused(r):
                 raise r
+        return replies
+
+    @staticmethod
+    def _cluster_batch(
+        client: redis.cluster.RedisCluster, commands: Sequence[tuple[Any, ...]]
+    ) -> list[Any]:
+        """``_run`` on a Cluster: every shard's commands are written before any reply is read,
+        and none is resent (redis-py would resend each command of a shard that timed out on its
+        own, one timeout per key). ``MOVED`` replies refresh the slot map once and those
+        commands are sent once more; what is still redirected stays a (refused) error reply."""
+
+        def send(cmds: Sequence[tuple[Any, ...]]) -> list[Any]:
+            stack = [
+                redis.cluster.PipelineCommand(c, {}, i)  # type: ignore[no-untyped-call]
+                for i, c in enumerate(cmds)
+            ]
+            pipe = client.pipeline(transaction=False)  # type: ignore[no-untyped-call]
+            return list(
+                pipe.send_cluster_commands(stack, raise_on_error=False, allow_redirections=False)
+            )
+
+        replies = send(commands)
+        moved = [i for i, r in enumerate(replies) if isinstance(r, MovedError)]
+        if moved:
+            client.nodes_manager.initialize()
+            for i, r in zip(moved, send([commands[i] for i in moved]), strict=True):
+                replies[i] = r
         return replies
 
     def guard(self, fn: Callable[[], T], fallback: T) -> T:
@@ -276,10 +316,7 @@ class RedisTier(RemoteTier):
             self.client()
             if self.hash_tag == "tenant":  # one slot: one script call, one round trip
                 return int(self._script(keys=names))
-            pipe = self._pipeline()
-            for n in names:
-                pipe.exists(n)
-            found = self._execute(pipe)
+            found = self._run([("EXISTS", n) for n in names])
             return next((i for i, f in enumerate(found) if not _ok(f)), len(found))
 
         return self.guard(probe, 0)
@@ -295,10 +332,7 @@ class RedisTier(RemoteTier):
             names = [self.redis_key(keys[i], tenant) for i in chunk]
 
             def fetch(names: list[str] = names) -> list[Any]:
-                pipe = self._pipeline()
-                for n in names:
-                    pipe.get(n)
-                return self._execute(pipe)
+                return self._run([("GET", n) for n in names])
 
             values: list[Any] = self.guard(fetch, [])
             if not values:
@@ -345,10 +379,8 @@ class RedisTier(RemoteTier):
                 continue
 
             def store(batch: list[tuple[int, str, memoryview]] = batch) -> list[Any]:
-                pipe = self._pipeline()
-                for _, name, value in batch:
-                    pipe.set(name, value, nx=True, ex=self.ttl_s or None)
-                return self._execute(pipe)
+                ttl = ("EX", self.ttl_s) if self.ttl_s else ()
+                return self._run([("SET", name, value, "NX", *ttl) for _, name, value in batch])
 
             replies: list[Any] = self.guard(store, [])
             for j, (i, _, _) in enumerate(batch):
@@ -366,18 +398,13 @@ class RedisTier(RemoteTier):
         names = [self.redis_key(keys[i], tenant) for i in chunk]
 
         def probe() -> set[int] | None:
-            pipe = self._pipeline()
-            for n in names:
-                pipe.exists(n)
-            return {i for i, f in zip(chunk, self._execute(pipe), strict=True) if _ok(f)}
+            found = self._run([("EXISTS", n) for n in names])
+            return {i for i, f in zip(chunk, found, strict=True) if _ok(f)}
 
         return self.guard(probe, None)
 
     def _delete_names(self, names: list[str]) -> list[int]:
-        pipe = self._pipeline()
-        for n in names:
-            pipe.delete(n)
-        return [1 if _ok(x) else 0 for x in self._execute(pipe)]
+        return [1 if _ok(x) else 0 for x in self._run([("DEL", n) for n in names])]
 
     def delete(self, keys: Sequence[BlockKey], tenant: str = "") -> None:
         if not keys:
@@ -387,8 +414,22 @@ class RedisTier(RemoteTier):
         self.refund(tenant, sum(1 for r in removed if r))
 
     def close(self) -> None:
+        """Drop the client and close its connections (a call still in flight on one gets an
+        error: a miss). Bounded: closing sockets waits for no server."""
         with self._lock:
             client, self._client = self._client, None
-        if client is not None:
+        if client is None:
+            return
+        # redis-py's close() leaves open the pools it was given, which ours all are (the
+        # single server's, and each Cluster node's, built from our connection kwargs)
+        if isinstance(client, redis.cluster.RedisCluster):
+            known = client.get_nodes()  # type: ignore[no-untyped-call]
+            nodes = [*known, *client.nodes_manager.startup_nodes.values()]
+            pools = [n.redis_connection.connection_pool for n in nodes if n.redis_connection]
+        else:
+            pools = [client.connection_pool]
+        with contextlib.suppress(*_ERRORS):
+            client.close()
+        for pool in pools:
             with contextlib.suppress(*_ERRORS):
-                client.close()
+                pool.disconnect()
