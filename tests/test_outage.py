@@ -7,6 +7,10 @@ against a dead server must return within a small multiple of the configured time
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -107,6 +111,59 @@ def test_s3_server_killed_and_restarted(s3_proc: ServerProcess) -> None:
         tier.close()
 
 
+def test_hung_s3_costs_each_of_concurrent_callers_about_one_timeout(s3_proc: ServerProcess) -> None:
+    """The S3 server stops answering (SIGSTOP: connections are accepted, nothing answers) while
+    three callers load at once. They share the tier's pool threads; once a request timed out
+    the requests not sent yet, of every caller, are given up: each caller waits about one
+    timeout, not one per turn in the pool's queue (2, 4, 6 timeouts), and no pool thread
+    rebuilds the client and checks the bucket again on its own (create_bucket, ttl_days: ~20).
+    The trial after the cool-down prepares the bucket again, once. Then the server is back."""
+    opts = S3Options(
+        bucket="hung", endpoint_url=f"http://127.0.0.1:{s3_proc.port}", timeout=TIMEOUT_S
+    )
+    opts = dataclasses.replace(opts, workers=4)
+    tier = S3Tier(LAYOUT, opts, create_bucket=True, ttl_days=1, cooldown_s=COOLDOWN_S)
+    keys = [rand_key() for _ in range(8)]
+    blocks = [rand_block(seed=i) for i in range(8)]
+
+    def callers() -> list[float]:
+        took: list[float] = []
+
+        def load() -> None:
+            outs = [empty_block() for _ in keys]
+            got, t = _timed(lambda: tier.get_into(keys, outs))
+            assert got == [False] * len(keys)
+            took.append(t)
+
+        threads = [threading.Thread(target=load) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(took) == 3
+        return took
+
+    assert s3_proc.pid is not None
+    try:
+        assert tier.put(keys, blocks) == [True] * 8
+        os.kill(s3_proc.pid, signal.SIGSTOP)
+        try:
+            took = callers()
+            assert max(took) < 3 * TIMEOUT_S, f"callers took {took}s at timeout {TIMEOUT_S}s"
+            time.sleep(COOLDOWN_S + 0.1)
+            took = callers()  # one is the trial: a fresh client, the bucket checked once
+            assert max(took) < 3 * TIMEOUT_S, f"callers took {took}s at timeout {TIMEOUT_S}s"
+            assert not tier.healthy
+        finally:
+            os.kill(s3_proc.pid, signal.SIGCONT)
+        time.sleep(COOLDOWN_S + 0.1)
+        out = empty_block()
+        assert tier.get_into(keys[:1], [out]) == [True] and out.tobytes() == blocks[0].tobytes()
+        assert tier.healthy
+    finally:
+        tier.close()
+
+
 def test_tier_built_while_server_is_down_serves_misses(redis_proc: ServerProcess) -> None:
     redis_proc.kill()
     tier = _redis(redis_proc)
@@ -160,6 +217,48 @@ def test_breaker_is_healthy_again_when_the_trial_is_due() -> None:
     assert not breaker.healthy and breaker.trips == 2  # the failed trial reopened it
     now[0] = 10.0
     assert breaker.healthy and breaker.call(lambda: True, False) is True and breaker.healthy
+
+
+@pytest.mark.parametrize("error", [OSError, RuntimeError])
+def test_only_the_trial_ends_the_trial(error: type[Exception]) -> None:
+    """A call let through while the breaker was closed ends -- with a server error, or with a
+    caller's mistake -- while the trial is in flight: that must not let a second trial in."""
+    now = [0.0]
+    breaker = CircuitBreaker("b", cooldown_s=1.0, clock=lambda: now[0])
+    straggler_may_end, trial_started, trial_may_end = (threading.Event() for _ in range(3))
+
+    def straggler() -> bool:
+        straggler_may_end.wait(10)
+        raise error("late")
+
+    def trial() -> bool:
+        trial_started.set()
+        trial_may_end.wait(10)
+        return True
+
+    results: list[bool] = []
+    errors: list[BaseException] = []
+
+    def run(fn: Callable[[], bool]) -> None:
+        try:
+            results.append(breaker.call(fn, False, (OSError,)))
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    first = threading.Thread(target=run, args=(straggler,))
+    first.start()  # admitted while closed
+    breaker.failed(OSError("another caller found the server down"))
+    now[0] = 2.0
+    second = threading.Thread(target=run, args=(trial,))
+    second.start()
+    assert trial_started.wait(10) and not breaker.healthy
+    straggler_may_end.set()
+    first.join()
+    now[0] = 3.5  # past the cool-down the straggler's failure may have restarted
+    assert not breaker.healthy and not breaker.allow()  # the trial is still the only one
+    trial_may_end.set()
+    second.join()
+    assert breaker.healthy and results[-1] is True
 
 
 def test_redis_tier_reports_healthy_when_its_trial_is_due(redis_proc: ServerProcess) -> None:

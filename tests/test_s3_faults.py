@@ -11,7 +11,9 @@ small proxy in front of the session's moto server that answers chosen paths with
 
 from __future__ import annotations
 
+import contextlib
 import http.client
+import socket
 import threading
 import time
 import uuid
@@ -20,6 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
+import boto3
 import pytest
 
 from kvtier.tiers.s3 import S3Options, S3Tier
@@ -32,9 +35,9 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "expect", "content-leng
 
 
 class FaultProxy:
-    """HTTP on 127.0.0.1 in front of ``upstream``: a request whose path (with query) contains a
-    key of ``faults`` is answered ``faults[key] = (status, code)`` as S3 would (an XML error
-    body, none for HEAD); every other request goes to ``upstream`` unchanged."""
+    """HTTP on 127.0.0.1 in front of ``upstream``: a request whose ``"METHOD path"`` (path with
+    query) contains a key of ``faults`` is answered ``faults[key] = (status, code)`` as S3 would
+    (an XML error body, none for HEAD); every other request goes to ``upstream`` unchanged."""
 
     def __init__(self, upstream: str) -> None:
         self.faults: dict[str, tuple[int, str]] = {}
@@ -49,7 +52,8 @@ class FaultProxy:
             def handle_any(self) -> None:
                 assert "chunked" not in self.headers.get("Transfer-Encoding", "")
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                fault = next((f for m, f in proxy.faults.items() if m in self.path), None)
+                request = f"{self.command} {self.path}"
+                fault = next((f for m, f in proxy.faults.items() if m in request), None)
                 if fault is not None:
                     proxy.injected += 1
                     status, code = fault
@@ -181,6 +185,79 @@ def test_denied_listing_and_lifecycle_leave_the_tier_in_service(proxy: FaultProx
         assert tier.healthy and tier.breaker.trips == 0
     finally:
         tier.close()
+
+
+def test_unreadable_lifecycle_rules_are_not_overwritten(
+    proxy: FaultProxy, s3_endpoint: str
+) -> None:
+    """Credentials that may write the bucket's lifecycle configuration but not read it: the
+    TTL rule is skipped (logged), since writing it would replace the rules we could not read."""
+    bucket = "kvtier-rules-" + uuid.uuid4().hex[:8]
+    admin = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+    admin.create_bucket(Bucket=bucket)
+    theirs = {"ID": "theirs", "Status": "Enabled", "Filter": {"Prefix": "logs/"}}
+    admin.put_bucket_lifecycle_configuration(
+        Bucket=bucket,
+        LifecycleConfiguration={"Rules": [{**theirs, "Expiration": {"Days": 30}}]},
+    )
+    proxy.faults[f"GET /{bucket}?lifecycle"] = (403, "AccessDenied")
+    opts = S3Options(bucket=bucket, endpoint_url=proxy.url, workers=4, timeout=2.0)
+    tier = S3Tier(LAYOUT, opts, ttl_days=7, cooldown_s=COOLDOWN_S)
+    try:
+        k, block = rand_key(), rand_block(seed=4)
+        assert tier.put([k], [block]) == [True]
+        assert proxy.injected == 1  # the read was refused
+        rules = admin.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]
+        assert [r["ID"] for r in rules] == ["theirs"]
+        assert tier.healthy and tier.breaker.trips == 0
+    finally:
+        tier.close()
+
+
+class HungServer:
+    """A TCP listener on 127.0.0.1 that accepts connections (counted) and never answers: an S3
+    endpoint that stopped serving."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.accepted: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                self.accepted.append(self.sock.accept()[0])
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.accepted:
+            conn.close()
+
+
+def test_a_request_to_a_hung_server_is_sent_once() -> None:
+    """boto3 retries are off: a request that times out is not sent again, so it costs one
+    timeout (botocore's ``max_attempts`` counts retries: 1 meant two attempts)."""
+    hung = HungServer()
+    timeout = 0.5
+    opts = S3Options(bucket=BUCKET, endpoint_url=hung.url, workers=4, timeout=timeout)
+    tier = S3Tier(LAYOUT, opts, cooldown_s=60.0)
+    try:
+        tier.client()  # built now (no request), not inside the timed call
+        t0 = time.monotonic()
+        assert tier.get_into([rand_key()], [empty_block()]) == [False]
+        took = time.monotonic() - t0
+        time.sleep(0.1)  # let the listener accept a second attempt, were there one
+        assert len(hung.accepted) == 1
+        assert took < 1.6 * timeout, f"one request took {took:.2f}s at timeout {timeout}s"
+        assert not tier.healthy
+    finally:
+        tier.close()
+        hung.close()
 
 
 @pytest.mark.parametrize(("status", "code"), [(503, "SlowDown"), (500, "InternalError")])

@@ -67,14 +67,18 @@ class CircuitBreaker:
 
     def allow(self) -> bool:
         """May the caller touch the server now? (``True`` when closed or for the one trial.)"""
+        return self._admit() is not None
+
+    def _admit(self) -> bool | None:
+        """``allow``, saying which: None (skip), False (closed), True (this is the trial)."""
         with self._lock:
             if self._open_until is None:
-                return True
+                return False
             if not self._trial_running and self._clock() >= self._open_until:
                 self._trial_running = True
                 return True
             self.skipped += 1
-            return False
+            return None
 
     def succeeded(self) -> None:
         """Record a successful call; closes the breaker."""
@@ -84,12 +88,14 @@ class CircuitBreaker:
             self._open_until = None
             self._trial_running = False
 
-    def failed(self, exc: BaseException) -> None:
-        """Record a failed call; opens the breaker for ``cooldown_s``."""
+    def failed(self, exc: BaseException, trial: bool = True) -> None:
+        """Record a failed call; opens the breaker for ``cooldown_s``. ``trial`` False: a call
+        let through while the breaker was closed, which leaves a trial in flight the only one."""
         with self._lock:
             was_closed = self._open_until is None
             self._open_until = self._clock() + self.cooldown_s
-            self._trial_running = False
+            if trial:
+                self._trial_running = False
             self.trips += 1
         if was_closed:
             log.warning(
@@ -107,16 +113,18 @@ class CircuitBreaker:
         errors: tuple[type[BaseException], ...] = (Exception,),
     ) -> T:
         """``fn()`` if the breaker allows it and it succeeds, else ``fallback``."""
-        if not self.allow():
+        trial = self._admit()
+        if trial is None:
             return fallback
         try:
             result = fn()
         except errors as exc:
-            self.failed(exc)
+            self.failed(exc, trial)
             return fallback
         except BaseException:
-            with self._lock:  # a caller mistake or interrupt: do not wedge the half-open trial
-                self._trial_running = False
+            if trial:  # a caller mistake or interrupt: do not wedge the half-open trial
+                with self._lock:
+                    self._trial_running = False
             raise
         self.succeeded()
         return result

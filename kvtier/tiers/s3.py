@@ -33,8 +33,10 @@ answered, the other blocks of the batch are read as usual and the tier stays in 
 -- a network error, a timeout, a 5xx (``InternalError``, ``SlowDown``/503), a 429, a missing
 bucket, refused credentials -- opens a ``CircuitBreaker``: misses / False for ``cooldown``
 seconds, ``healthy`` False, then one trial. boto3 retries are off and connect/read timeouts are
-bounded (``timeout``). A setting that can never work (no bucket, a bucket name or
-``endpoint_url`` S3 cannot take, half a key pair) is a ``ConfigError`` at construction.
+bounded (``timeout``); the pool threads are shared by all callers, so once a request failed the
+requests not sent yet, of every call, are given up: a call costs at most about one timeout. A
+setting that can never work (no bucket, a bucket name or ``endpoint_url`` S3 cannot take, half a
+key pair) is a ``ConfigError`` at construction.
 
 Config (``[[tiers]] kind = "s3"``)::
 
@@ -45,8 +47,8 @@ Config (``[[tiers]] kind = "s3"``)::
     timeout = 5.0 ; cooldown = 10.0
     encryption_key = "<hex>" ; tenant_keys = {} ; quota = 0 ; tenant_quotas = {}
 
-The connection settings (``S3Options``: bucket and endpoint checks, the boto3 client) and the
-zero-copy body reads live in ``kvtier.tiers.s3_client``.
+The connection settings (``S3Options``: bucket and endpoint checks, the boto3 client), bucket
+preparation, what S3 ``refused`` and the zero-copy body reads live in ``kvtier.tiers.s3_client``.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ import io
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from functools import partial
 from typing import Any, TypeVar
 
@@ -68,7 +70,16 @@ from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
 from kvtier.tiers.base import Array, TierUsage
 from kvtier.tiers.remote import Refusals, RemoteTier, flat_bytes
-from kvtier.tiers.s3_client import S3Options, http_stream, masked_url, read_exact
+from kvtier.tiers.s3_client import (
+    MISSING,
+    S3Options,
+    error_code,
+    http_stream,
+    masked_url,
+    prepare_bucket,
+    read_exact,
+    refused,
+)
 from kvtier.tiers.secure import BlockSealer, TenantQuotas, tenant_token
 
 __all__ = ["S3Options", "S3Tier", "masked_url", "refused"]
@@ -76,33 +87,14 @@ __all__ = ["S3Options", "S3Tier", "masked_url", "refused"]
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_ERRORS: tuple[type[BaseException], ...] = (BotoCoreError, ClientError, OSError)
-_MISSING = {"404", "NoSuchKey", "NotFound"}
+
+
+class _Abandoned(Exception):
+    """A request given up unsent: its call already failed, or another caller found S3 down."""
+
+
+_ERRORS: tuple[type[BaseException], ...] = (BotoCoreError, ClientError, OSError, _Abandoned)
 _EXISTS = {"412", "PreconditionFailed", "ConditionalRequestConflict"}
-#: 4xx codes that still mean no request can succeed now: the bucket is gone, the credentials or
-#: the clock are refused, the account is blocked, the connection is too slow
-_TIER_DOWN = frozenset(
-    {"NoSuchBucket", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"}
-    | {"InvalidToken", "TokenRefreshRequired", "RequestTimeTooSkewed", "RequestTimeout"}
-    | {"AccountProblem", "AllAccessDisabled"}
-)
-
-
-def _code(exc: ClientError) -> str:
-    return str(exc.response.get("Error", {}).get("Code", ""))
-
-
-def refused(exc: BaseException) -> bool:
-    """Did S3 refuse this one request -- a 4xx about the object (``AccessDenied``, an archived
-    object's ``InvalidObjectState``, a key it will not take)? That is the request's miss: S3 is
-    up and answering, so it must not open the breaker. A 5xx (``InternalError``,
-    ``SlowDown``), a 429, a ``_TIER_DOWN`` code and every network error mean the server cannot
-    serve now. (A HEAD's error has no body, so bad credentials on a lookup read as a plain
-    403, a refusal; the first GET or PUT names them and opens the breaker.)"""
-    if not isinstance(exc, ClientError):
-        return False
-    status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-    return 400 <= status < 500 and status != 429 and _code(exc) not in _TIER_DOWN
 
 
 class S3Tier(RemoteTier):
@@ -144,7 +136,14 @@ class S3Tier(RemoteTier):
         self._pool = ThreadPoolExecutor(options.workers, thread_name_prefix="kvtier-s3")
         self._parts = ThreadPoolExecutor(options.workers, thread_name_prefix="kvtier-s3-part")
         self._client: Any = None
-        self._lock = threading.Lock()
+        #: server requests that failed so far: a change tells the pool items of every call that
+        #: S3 is down, and the next call (the breaker's trial) to start from a fresh client
+        self._failures = 0
+        self._client_at = 0  # ``_failures`` when ``_client`` was made
+        self._last_failure: BaseException | None = None
+        self._prepared_for: Any = None  # the client the bucket was last prepared with
+        self._lock = threading.Lock()  # held for no network I/O: the pool threads need it never
+        self._prep_lock = threading.Lock()  # one bucket preparation at a time
         self._refusals = Refusals()
 
     @classmethod
@@ -202,62 +201,29 @@ class S3Tier(RemoteTier):
         return f"{self.prefix}/{tenant_token(tenant)}/{h[:2]}/{h}"
 
     def client(self) -> Any:
-        """The boto3 client, created (and the bucket prepared) on first use."""
+        """The boto3 client, the bucket prepared (``create_bucket``, ``ttl_days``). Each server
+        call asks for it once and hands it to its pool items. After a failure the next call
+        (the breaker's trial) starts from a fresh client, closing the old one, and prepares the
+        bucket again (a restarted store may have lost it): once, by one caller, and if that
+        fails, callers waiting for it give up (``_Abandoned``) rather than try again."""
+        seen = self._failures
         with self._lock:
-            if self._client is None:
-                client = self.options.connect()
-                self._prepare_bucket(client)
-                self._client = client
-            return self._client
-
-    def _prepare_bucket(self, client: Any) -> None:
-        """Create the bucket (``create_bucket``) and install the TTL rule (``ttl_days``). A step
-        S3 refuses (no permission for it, a name another account owns) is logged and skipped:
-        the tier may still work, and the object requests will say whether it does."""
-        bucket = self.options.bucket
-        if self.create_bucket:
-            try:
-                try:
-                    client.head_bucket(Bucket=bucket)
-                except ClientError as exc:
-                    if _code(exc) not in _MISSING | {"NoSuchBucket"}:
-                        raise
-                    client.create_bucket(Bucket=bucket)
-            except ClientError as exc:
-                if _code(exc) != "BucketAlreadyOwnedByYou":  # another node was first
-                    self._skip_step(exc, f"creating bucket {bucket}")
-        if self.ttl_days:
-            try:
-                self._install_ttl(client)
-            except ClientError as exc:
-                self._skip_step(exc, f"installing the {self.ttl_days}-day TTL rule")
-
-    def _install_ttl(self, client: Any) -> None:
-        bucket = self.options.bucket
-        rule_id = f"kvtier-{self.prefix}"
-        try:
-            rules = client.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]
-        except ClientError as exc:
-            if not refused(exc):
-                raise
-            rules = []  # no configuration yet
-        rules = [r for r in rules if r.get("ID") != rule_id] + [
-            {
-                "ID": rule_id,
-                "Status": "Enabled",
-                "Filter": {"Prefix": self.prefix + "/"},
-                "Expiration": {"Days": self.ttl_days},
-            }
-        ]
-        client.put_bucket_lifecycle_configuration(
-            Bucket=bucket, LifecycleConfiguration={"Rules": rules}
-        )
-
-    def _skip_step(self, exc: ClientError, step: str) -> None:
-        """Log a refused preparation step and go on; anything else is an outage (raised)."""
-        if not refused(exc):
-            raise exc
-        log.warning("s3 tier: S3 refused %s (%s); going on without it", step, _code(exc))
+            old = None
+            if self._client is None or self._client_at != seen:
+                old, self._client, self._client_at = self._client, self.options.connect(), seen
+            client = self._client
+        if old is not None:
+            old.close()  # its urllib3 pool; a request still on it keeps its connection
+        if (self.create_bucket or self.ttl_days) and self._prepared_for is not client:
+            with self._prep_lock:
+                if self._failures != seen:
+                    raise self._abandoned()
+                if self._prepared_for is not client:
+                    prepare_bucket(
+                        client, self.options.bucket, self.prefix, self.create_bucket, self.ttl_days
+                    )
+                    self._prepared_for = client
+        return client
 
     @property
     def refusals(self) -> int:
@@ -272,34 +238,62 @@ class S3Tier(RemoteTier):
         except ClientError as exc:
             if not refused(exc):
                 raise
-            if self._refusals.add(_code(exc)):
+            if self._refusals.add(error_code(exc)):
                 log.warning("s3 tier: S3 refused a request (%s); a miss, tier stays in use", exc)
             return fallback
 
     def guard(self, fn: Callable[[], T], fallback: T) -> T:
         """``fn()`` through the breaker; ``fallback`` if S3 ``refused`` the request (the
-        breaker stays closed). After an outage the next trial starts from a fresh client and
-        re-prepares the bucket (a restarted store may have lost it)."""
+        breaker stays closed). A failure makes the next call start from a fresh client."""
 
         def run() -> T:
             try:
                 return self._unless_refused(fn, fallback)
-            except _ERRORS:
-                with self._lock:
-                    self._client = None
+            except _ERRORS as exc:
+                self._failed(exc)
                 raise
 
         return super().guard(run, fallback)
 
-    def _each(self, fn: Callable[[int], T], n: int, fallback: T) -> list[T]:
-        """``[fn(i) for i in range(n)]`` on the pool: ``fallback`` for an item whose request S3
-        ``refused``, all ``fallback`` if the server fails."""
+    def _failed(self, exc: BaseException) -> None:
+        if not isinstance(exc, _Abandoned):
+            with self._lock:
+                self._failures += 1
+                self._last_failure = exc
+
+    def _abandoned(self) -> _Abandoned:
+        e = self._last_failure
+        return _Abandoned(f"given up: a request failed ({type(e).__name__}: {e})")
+
+    def _each(self, fn: Callable[[Any, int], T], n: int, fallback: T) -> list[T]:
+        """``[fn(client, i) for i in range(n)]`` on the pool: ``fallback`` for an item whose
+        request S3 ``refused``, all ``fallback`` if the server fails. The pool is shared by all
+        callers: once an item of this call failed, or another caller found S3 down, the items
+        not started yet are given up unsent, not a timeout each. The call still waits for its
+        items in flight (at most one timeout): a read may be writing into a caller's buffer."""
 
         def run() -> list[T]:
-            self.client()
-            return list(
-                self._pool.map(lambda i: self._unless_refused(partial(fn, i), fallback), range(n))
-            )
+            seen = self._failures
+            client = self.client()
+            failed = threading.Event()
+
+            def item(i: int) -> T:
+                if failed.is_set() or self._failures != seen:
+                    raise self._abandoned()
+                try:
+                    return self._unless_refused(partial(fn, client, i), fallback)
+                except BaseException as exc:
+                    if isinstance(exc, _ERRORS):
+                        self._failed(exc)
+                    failed.set()
+                    raise
+
+            futures = [self._pool.submit(item, i) for i in range(n)]
+            try:
+                return [f.result() for f in futures]
+            finally:
+                failed.set()
+                wait(futures)
 
         return self.guard(run, [fallback] * n)
 
@@ -317,11 +311,11 @@ class S3Tier(RemoteTier):
 
         return TierUsage(self.guard(count, 0), 0, self.block_bytes)
 
-    def _exists(self, name: str) -> bool:
+    def _exists(self, client: Any, name: str) -> bool:
         try:
-            self.client().head_object(Bucket=self.options.bucket, Key=name)
+            client.head_object(Bucket=self.options.bucket, Key=name)
         except ClientError as exc:
-            if _code(exc) in _MISSING:
+            if error_code(exc) in MISSING:
                 return False
             raise
         return True
@@ -331,14 +325,14 @@ class S3Tier(RemoteTier):
         wave = self.options.workers
         for start in range(0, len(names), wave):
             part = names[start : start + wave]
-            found = self._each(lambda i, p=part: self._exists(p[i]), len(part), False)  # type: ignore[misc]
+            found = self._each(lambda c, i, p=part: self._exists(c, p[i]), len(part), False)  # type: ignore[misc]
             for i, f in enumerate(found):
                 if not f:
                     return start + i
         return len(names)
 
     # -- data ------------------------------------------------------------------------------
-    def _read_into(self, key: BlockKey, name: str, out: Array, tenant: str) -> bool:
+    def _read_into(self, client: Any, key: BlockKey, name: str, out: Array, tenant: str) -> bool:
         """GET object ``name`` and verify it as block ``key`` into ``out``; ``False`` for a miss
         (absent, or not this block -- then deleted if ``droppable``). Raises on server errors.
 
@@ -347,9 +341,9 @@ class S3Tier(RemoteTier):
         checksum pass over it. Anything else is read whole and opened by the sealer.
         """
         try:
-            resp = self.client().get_object(Bucket=self.options.bucket, Key=name)
+            resp = client.get_object(Bucket=self.options.bucket, Key=name)
         except ClientError as exc:
-            if _code(exc) in _MISSING:
+            if error_code(exc) in MISSING:
                 return False
             raise
         body = resp["Body"]
@@ -373,7 +367,7 @@ class S3Tier(RemoteTier):
                 return True
         if self.sealer.droppable(value):
             log.warning("s3 tier: object %s failed verification: deleted", name)
-            self.client().delete_object(Bucket=self.options.bucket, Key=name)
+            client.delete_object(Bucket=self.options.bucket, Key=name)
         return False
 
     def get_into(
@@ -382,26 +376,26 @@ class S3Tier(RemoteTier):
         self.check_buffers(outs, keys)
         names = [self.object_key(k, tenant) for k in keys]
         return self._each(
-            lambda i: self._read_into(keys[i], names[i], outs[i], tenant), len(keys), False
+            lambda c, i: self._read_into(c, keys[i], names[i], outs[i], tenant), len(keys), False
         )
 
-    def _upload(self, name: str, value: memoryview) -> bool:
+    def _upload(self, client: Any, name: str, value: memoryview) -> bool:
         """Store ``value`` unless ``name`` exists; True either way, raises on server errors."""
         bucket = self.options.bucket
         try:
             if len(value) < self.multipart_threshold:
                 whole = value.obj if isinstance(value.obj, bytearray) else None
                 body = whole if whole is not None and len(whole) == len(value) else bytes(value)
-                self.client().put_object(Bucket=bucket, Key=name, Body=body, IfNoneMatch="*")
+                client.put_object(Bucket=bucket, Key=name, Body=body, IfNoneMatch="*")
                 return True
-            upload_id = self.client().create_multipart_upload(Bucket=bucket, Key=name)["UploadId"]
+            upload_id = client.create_multipart_upload(Bucket=bucket, Key=name)["UploadId"]
             try:
                 step = self.multipart_chunk
                 offsets = range(0, len(value), step)
 
                 def part(i: int) -> dict[str, Any]:
                     body = value[offsets[i] : offsets[i] + step]
-                    r = self.client().upload_part(
+                    r = client.upload_part(
                         Bucket=bucket,
                         Key=name,
                         UploadId=upload_id,
@@ -411,7 +405,7 @@ class S3Tier(RemoteTier):
                     return {"ETag": r["ETag"], "PartNumber": i + 1}
 
                 parts = list(self._parts.map(part, range(len(offsets))))
-                self.client().complete_multipart_upload(
+                client.complete_multipart_upload(
                     Bucket=bucket,
                     Key=name,
                     UploadId=upload_id,
@@ -419,10 +413,10 @@ class S3Tier(RemoteTier):
                     IfNoneMatch="*",
                 )
             except BaseException:
-                self.client().abort_multipart_upload(Bucket=bucket, Key=name, UploadId=upload_id)
+                client.abort_multipart_upload(Bucket=bucket, Key=name, UploadId=upload_id)
                 raise
         except ClientError as exc:
-            if _code(exc) in _EXISTS:
+            if error_code(exc) in _EXISTS:
                 return True
             raise
         return True
@@ -433,15 +427,15 @@ class S3Tier(RemoteTier):
         self.check_buffers(blocks, keys)
         charge = self.quotas.active
 
-        def one(i: int) -> bool:
+        def one(client: Any, i: int) -> bool:
             name = self.object_key(keys[i], tenant)
-            if charge and self._exists(name):
+            if charge and self._exists(client, name):
                 return True  # kept as it is, and not charged again
             value = self.seal_charged(keys[i], blocks[i], tenant)
             if value is None:
                 return False
             try:
-                return self._upload(name, value)
+                return self._upload(client, name, value)
             except BaseException:
                 self.refund(tenant)  # not stored: the charge goes back
                 raise
@@ -453,14 +447,15 @@ class S3Tier(RemoteTier):
             return
         names = [self.object_key(k, tenant) for k in keys]
         if self.quotas.active:  # refunds need to know which were present
-            present = self._each(lambda i: self._exists(names[i]), len(names), False)
+            present = self._each(lambda c, i: self._exists(c, names[i]), len(names), False)
             names = [n for n, p in zip(names, present, strict=True) if p]
             self.refund(tenant, len(names))
 
         def drop() -> None:
+            client = self.client()
             for start in range(0, len(names), 1000):  # DeleteObjects takes up to 1000 keys
                 objs = [{"Key": n} for n in names[start : start + 1000]]
-                self.client().delete_objects(
+                client.delete_objects(
                     Bucket=self.options.bucket, Delete={"Objects": objs, "Quiet": True}
                 )
 
