@@ -9,8 +9,13 @@ never work is a ``ConfigError`` naming it.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +26,7 @@ from kvtier.store import TieredStore
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.mooncake import MooncakeTier
 from tests.mooncake_server import MIB, MooncakeCluster, start_or_skip
+from tests.servers import free_port
 from tests.tier_conformance import empty_block, rand_block, rand_key
 
 pytest.importorskip("mooncake", reason="install mooncake-transfer-engine-non-cuda")
@@ -141,6 +147,107 @@ def test_close_while_the_master_is_down_is_prompt() -> None:
         _, took = _timed(tier.close)
         assert took < 2.0
         assert tier.contains_prefix([rand_key()]) == 0  # closed: a miss, not an exception
+
+
+def test_close_against_a_hung_master_is_bounded() -> None:
+    """The master hangs (SIGSTOP): the tier finds out, and its prober's check is stuck on the
+    master too. close() returns within about one RPC timeout, not after the prober's check
+    and the client's own close against a master that does not answer (~4-20 s, holding the
+    GIL); the client is closed in the background once the master answers again."""
+    with start_or_skip(0) as cluster:
+        tier = _tier(cluster.address)
+        pid = cluster.master.pid
+        assert pid is not None
+        try:
+            k = rand_key()
+            assert tier.put([k], [rand_block(LAYOUT)]) == [True]
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                assert tier.contains_prefix([k]) == 0  # finds out: one RPC timeout
+                time.sleep(COOLDOWN_S + 0.2)  # the prober's check is now stuck as well
+                _, took = _timed(tier.close)
+                assert took < 2.0, f"close against a hung master took {took:.2f}s"
+                assert tier.contains_prefix([k]) == 0 and tier.put([k], [rand_block()]) == [False]
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            closer = tier._link.closer
+            assert closer is not None
+            closer.join(30)
+            assert not closer.is_alive()
+        finally:
+            tier.close()
+
+
+def test_zero_cooldown_does_not_spin() -> None:
+    """``cooldown_s = 0`` (check again at once) against a dead master: the prober still
+    waits a little between attempts, not a core's worth of TCP connects (~13k a second)."""
+    tier = _tier(f"127.0.0.1:{free_port()}", cooldown_s=0)
+    try:
+        before = tier.breaker.trips  # one per failed attempt
+        time.sleep(1.0)
+        attempts = tier.breaker.trips - before
+        assert attempts <= 20, f"{attempts} reconnect attempts in 1s"
+        assert tier.contains_prefix([rand_key()]) == 0
+    finally:
+        tier.close()
+
+
+_CLOSE_UNDER_LOAD = textwrap.dedent(
+    """
+    import sys, threading, time
+    from kvtier.layout import KVLayout
+    from kvtier.tiers.mooncake import MooncakeTier
+    from tests.tier_conformance import empty_block, rand_block, rand_key
+
+    master, rounds = sys.argv[1], int(sys.argv[2])
+    lay = KVLayout(2, 2, 8, "float16", block_tokens=16)
+    errors = []
+    for r in range(rounds):
+        tier = MooncakeTier(lay, master, segment_size=16 << 20, buffer_size=1 << 20,
+                            cooldown_s=0.5, rpc_timeout_s=1.0, prefix=f"close{r}")
+        stop = threading.Event()
+
+        def work():
+            keys = [rand_key() for _ in range(4)]
+            blocks = [rand_block(lay, seed=j) for j in range(4)]
+            while not stop.is_set():
+                try:
+                    tier.put(keys, blocks)
+                    tier.get_into(keys, [empty_block(lay) for _ in keys])
+                    tier.contains_prefix(keys)
+                    tier.usage()
+                except Exception as exc:
+                    errors.append(repr(exc))
+
+        threads = [threading.Thread(target=work) for _ in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        tier.close()
+        time.sleep(0.1)
+        stop.set()
+        for t in threads:
+            t.join()
+    print("exceptions:", sorted(set(errors)))
+    sys.exit(1 if errors else 0)
+    """
+)
+
+
+def test_close_while_calls_are_in_flight() -> None:
+    """Three threads put, load and look up while the tier is closed: the calls in flight
+    finish first (the client crashes the process if it is closed under a transfer), later
+    ones are misses, none raises. In a child process: a crash must not take pytest along."""
+    with start_or_skip(0) as cluster:
+        child = subprocess.run(
+            [sys.executable, "-c", _CLOSE_UNDER_LOAD, cluster.address, "3"],
+            cwd=Path(__file__).resolve().parents[1],
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+    tail = (child.stdout + child.stderr)[-3000:]
+    assert child.returncode == 0, f"exit {child.returncode}:\n{tail}"
 
 
 @pytest.mark.parametrize(

@@ -20,9 +20,9 @@ copy+checksum). Contiguous caller buffers are registered with the transfer engin
 duration of each call (transfers from unregistered memory are markedly slower), unless they lie
 in a long-lived buffer the owner registered once with ``register`` (a host arena, an engine's KV
 pool): that saves the per-call registration, ~15% of a 4 MiB transfer over TCP. Connection
-setup, the ``Prober``, master-address checks and error codes live in
-``kvtier.tiers.mooncake_engine``; the arena, registrations and each batch's buffer lists in
-``kvtier.tiers.mooncake_memory``.
+setup, the client's lending and closing (``MasterLink``), the ``Prober``, master-address checks
+and error codes live in ``kvtier.tiers.mooncake_engine``; the arena, registrations and each
+batch's buffer lists in ``kvtier.tiers.mooncake_memory``.
 
 Mooncake behaviours this tier is built around:
 
@@ -32,14 +32,18 @@ Mooncake behaviours this tier is built around:
 - A master restart without HA loses every key: misses, no exception; clients re-mount.
 - An outage costs one caller one failed call: at once for a dead master (its connection is
   reset), ``rpc_timeout_s`` for a hung one. From then on every call is a miss at once
-  (``healthy`` False) while a background ``Prober`` checks every ``cooldown_s`` -- a TCP
-  connect, then one existence query -- and puts the tier back when the master answers. The
-  client's own reconnect (~4 s per call against a dead master, whatever ``rpc_timeout_s``
-  says) so runs on the prober's thread, not a caller's. The prober also sets the client up:
-  construction waits at most ``rpc_timeout_s`` for it, and not at all for a master that
-  refuses connections.
+  (``healthy`` False) while a background ``Prober`` checks every ``cooldown_s`` (0.1 s at
+  the least) -- a TCP connect, then one existence query -- and puts the tier back when the
+  master answers. The client's own reconnect (~4 s per call against a dead master, whatever
+  ``rpc_timeout_s`` says) so runs on the prober's thread, not a caller's. The prober also sets
+  the client up: construction waits at most ``rpc_timeout_s`` for it, and not at all for a
+  master that refuses connections.
 - Per-key outcomes (not found, no space, a lease, a foreign size, a refused key) are that
   key's miss; only an unreachable master takes the tier out of service.
+- Closing the client under a transfer crashes the process: ``close`` waits for the calls in
+  flight (later ones are misses). The client's close against a master that does not answer
+  takes ~4-20 s holding the GIL: such a client is closed on a daemon thread once the master
+  answers again, so that ``close`` returns within ~``rpc_timeout_s`` and stalls no thread.
 - Objects carry a lease (default 10 s) after each put/get, so ``delete`` removes with ``force``;
   a reader racing a forced removal can only see bytes that fail verification (a miss).
 
@@ -51,7 +55,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, TypeVar
@@ -65,14 +68,12 @@ from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
 from kvtier.tiers.base import Array, TierUsage
 from kvtier.tiers.mooncake_engine import (
-    Prober,
+    MasterLink,
     ServerDown,
     check_down,
-    connect,
     foreign_size,
     master_endpoint,
     package_binary,
-    reachable,
 )
 from kvtier.tiers.mooncake_memory import BatchBuffers, Registrations, StagingArena
 from kvtier.tiers.remote import RemoteTier, flat_bytes
@@ -120,12 +121,12 @@ class MooncakeTier(RemoteTier):
             raise ConfigError(f"mooncake tier protocol must be 'tcp' or 'rdma', got {protocol!r}")
         if replicas < 1:
             raise ConfigError(f"mooncake tier replicas must be >= 1, got {replicas}")
-        self._endpoint = master_endpoint(master)
+        master_endpoint(master)  # a ConfigError before anything is allocated
         self.master = master
         self.replicas = replicas
         self.rpc_timeout_s = rpc_timeout_s
         self.prefix = prefix.strip("/") or "kvtier"
-        self._setup_args = (
+        setup_args = (
             local_hostname,
             metadata_server,
             segment_size,
@@ -139,12 +140,17 @@ class MooncakeTier(RemoteTier):
         self._regs = Registrations()
         self._lock = threading.Lock()
         self._written: dict[tuple[str, BlockKey], None] = {}
-        self._closed = False
-        self._client: Any = None
-        self._replicate: Any = None
-        self._prober = Prober(f"kvtier-mooncake-{master}", self._attempt, self.breaker)
-        weakref.finalize(self, self._prober.close)  # a tier dropped without close()
-        self._prober.start(rpc_timeout_s)
+        self._link = MasterLink(
+            master,
+            setup_args,
+            rpc_timeout_s,
+            f"{self.prefix}/.probe",
+            self._staging,
+            self._regs,
+            replicas,
+            self.breaker,
+        )
+        self._link.start()
 
     @classmethod
     def from_config(cls, layout: KVLayout, spec: Mapping[str, Any]) -> MooncakeTier:
@@ -192,58 +198,19 @@ class MooncakeTier(RemoteTier):
         )
 
     # -- connection --------------------------------------------------------------------------
-    def _attempt(self) -> None:
-        """The prober's work (never a caller's): set up the client, or ask the master one cheap
-        question once there is one. Raises ``ServerDown`` while it is unreachable."""
-        if not reachable(self._endpoint, self.rpc_timeout_s):
-            raise ServerDown(f"master {self.master} does not accept connections")
-        if self._client is None:
-            self._connect()
-            return
-        codes = self._client.batch_is_exist([f"{self.prefix}/.probe"])
-        self._check_down(codes)
-
-    def _connect(self) -> None:
-        """Create and set up the client; ``ServerDown`` if the master did not answer."""
-        from mooncake.store import ReplicateConfig
-
-        client, rc = connect(self._setup_args, self.rpc_timeout_s)
-        if rc != 0:
-            raise ServerDown(f"setup with master {self.master} returned {rc}")
-        if client.register_buffer(self._staging.base, self._staging.arena.nbytes) != 0:
-            client.close()
-            raise ConfigError("mooncake tier: the transfer engine refused the staging buffer")
-        cfg = ReplicateConfig()
-        cfg.replica_num = self.replicas
-        with self._lock:
-            if self._closed:  # closed while setting up: the client never served
-                client.unregister_buffer(self._staging.base)
-                client.close()
-                return
-            self._replicate = cfg
-            self._client = client
-
     def _ready(self) -> Any:
-        """The set-up client, or raise ServerDown."""
-        client = self._client
+        """The set-up client (unlent: for tests and tools), or raise ServerDown."""
+        client = self._link.client
         if client is None:
             raise ServerDown(f"no connection to master {self.master}")
         return client
 
     def guard(self, fn: Callable[[], T], fallback: T) -> T:
-        """``fn()``, or ``fallback`` at once while the master is known to be unreachable. A call
-        that finds it unreachable (``ServerDown``) is ``fallback`` too and hands recovery to the
-        prober; no caller makes a trial call."""
-        if not self._prober.allow():
-            return fallback
-        try:
-            return fn()
-        except ServerDown as exc:
-            self._prober.lost(exc)
-            return fallback
-
-    def _check_down(self, codes: Sequence[int]) -> None:
-        check_down(self._client, codes, self.master)
+        """``fn()``, or ``fallback`` at once while the master is known to be unreachable, or
+        after ``close``. A call that finds it unreachable (``ServerDown``) is ``fallback`` too
+        and hands recovery to the prober; no caller makes a trial call. (The tier's own calls
+        use ``MasterLink.call``, which lends ``fn`` the client.)"""
+        return self._link.call(lambda _client: fn(), fallback)
 
     def _names(self, keys: Sequence[BlockKey], tenant: str) -> list[str]:
         base = f"{self.prefix}/{tenant_token(tenant)}/"
@@ -257,27 +224,29 @@ class MooncakeTier(RemoteTier):
 
         The caller keeps ``buf`` alive while it is registered.
         """
-        return self._regs.pin(self._client, buf)
+        with self._link.lend() as client:
+            return self._regs.pin(client, buf)
 
     def unregister(self, buf: Array) -> None:
         """Undo ``register`` (idempotent)."""
-        self._regs.unpin(self._client, buf)
+        with self._link.lend() as client:
+            self._regs.unpin(client, buf)
 
     @property
     def client(self) -> Any:
         """The underlying ``MooncakeDistributedStore`` (None while not connected); for tools."""
-        return self._client
+        return self._link.client
 
     # -- queries -----------------------------------------------------------------------------
     @property
     def healthy(self) -> bool:
         """True while the master answers (set up, and the last call reached it)."""
-        return self._prober.up.is_set()
+        return self._link.prober.up.is_set()
 
     @property
     def skipped(self) -> int:
         """Calls answered with a miss without touching the master (it was unreachable)."""
-        return self._prober.skipped
+        return self._link.prober.skipped
 
     def _forget(self, tenant: str, keys: Sequence[BlockKey]) -> None:
         """Drop written-key records (deleted or evicted blocks) and refund their quota."""
@@ -295,43 +264,43 @@ class MooncakeTier(RemoteTier):
             for t, k in self._written:
                 by_tenant.setdefault(t, []).append(k)
 
-        def count() -> int:
-            client = self._ready()
+        def count(client: Any) -> int:
             n = 0
             for t, ks in by_tenant.items():
                 codes = client.batch_is_exist(self._names(ks, t))
-                self._check_down(codes)
+                check_down(client, codes, self.master)
                 n += sum(1 for c in codes if c == 1)
                 self._forget(t, [k for k, c in zip(ks, codes, strict=True) if c == 0])
             return n
 
-        present = self.guard(count, 0) if by_tenant else 0
+        present = self._link.call(count, 0) if by_tenant else 0
         return TierUsage(present, 0, self.block_bytes)
 
     def contains_prefix(self, keys: Sequence[BlockKey], tenant: str = "") -> int:
         if not keys:
             return 0
 
-        def query() -> int:
-            codes = self._ready().batch_is_exist(self._names(keys, tenant))
-            self._check_down(codes)
+        def query(client: Any) -> int:
+            codes = client.batch_is_exist(self._names(keys, tenant))
+            check_down(client, codes, self.master)
             return next((i for i, c in enumerate(codes) if c != 1), len(codes))
 
-        return self.guard(query, 0)
+        return self._link.call(query, 0)
 
     # -- data --------------------------------------------------------------------------------
     def _staged(
-        self, idx: list[int], chunk_fn: Callable[[list[int], list[int]], list[bool]]
+        self, idx: list[int], chunk_fn: Callable[[list[int], list[int], Any], list[bool]]
     ) -> dict[int, bool]:
-        """Run ``chunk_fn(chunk, slots)`` over ``idx`` in chunks as large as the free staging
-        slots allow, each through the breaker; the result of every index (``False`` if skipped)."""
+        """Run ``chunk_fn(chunk, slots, client)`` over ``idx`` in chunks as large as the free
+        staging slots allow, each a ``MasterLink.call``; every index's result (``False`` if
+        skipped)."""
         result: dict[int, bool] = {}
         pending = idx
         while pending:
             slots = self._staging.acquire(len(pending))
             chunk, pending = pending[: len(slots)], pending[len(slots) :]
             try:
-                oks = self.guard(partial(chunk_fn, chunk, slots), [False] * len(chunk))
+                oks = self._link.call(partial(chunk_fn, chunk, slots), [False] * len(chunk))
             finally:
                 self._staging.release(slots)
             result.update(zip(chunk, oks, strict=True))
@@ -365,8 +334,8 @@ class MooncakeTier(RemoteTier):
         tenant: str,
         idx: list[int],
         slots: list[int],
+        client: Any,
     ) -> list[bool]:
-        client = self._ready()
         st = self._staging
         fp = self.layout.fingerprint
         n = self.block_bytes
@@ -398,11 +367,11 @@ class MooncakeTier(RemoteTier):
                 names,
                 [batch.ptrs[j] for j in live],
                 [batch.sizes[j] for j in live],
-                self._replicate,
+                self._link.replicate,
             )
         finally:
             batch.release()
-        self._check_down(codes)
+        check_down(client, codes, self.master)
         for j, c in zip(live, codes, strict=True):
             ok[j] = c == 0
         return ok
@@ -421,8 +390,8 @@ class MooncakeTier(RemoteTier):
         tenant: str,
         idx: list[int],
         slots: list[int],
+        client: Any,
     ) -> list[bool]:
-        client = self._ready()
         st = self._staging
         value_bytes = self.value_bytes
         batch = BatchBuffers(client, self._regs, st, self.block_bytes)
@@ -444,7 +413,7 @@ class MooncakeTier(RemoteTier):
             codes = client.batch_get_into_multi_buffers(names, batch.ptrs, batch.sizes)
         finally:
             batch.release()
-        self._check_down(codes)
+        check_down(client, codes, self.master)
         ok = [False] * len(idx)
         bad: list[str] = []
         # payloads read in place are hashed together (in parallel when the batch is large)
@@ -474,24 +443,16 @@ class MooncakeTier(RemoteTier):
         if not keys:
             return
 
-        def remove() -> None:
-            codes = self._ready().batch_remove(self._names(keys, tenant), True)
-            self._check_down(codes)
+        def remove(client: Any) -> None:
+            codes = client.batch_remove(self._names(keys, tenant), True)
+            check_down(client, codes, self.master)
 
-        self.guard(remove, None)
+        self._link.call(remove, None)
         self._forget(tenant, keys)
 
     def close(self) -> None:
-        """Stop the prober, close the client (its mounted segment leaves the pool with it).
-        Idempotent. Waits for a reconnect attempt in flight (at most about ``rpc_timeout_s``)."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._prober.close()
-        with self._lock:
-            client, self._client = self._client, None
-        if client is not None:
-            client.unregister_buffer(self._staging.base)
-            self._regs.unpin_all(client)
-            client.close()
+        """Stop the prober; calls from now on are misses. The client is closed (its mounted
+        segment leaves the pool with it) once no call in flight uses it; ``close`` returns
+        within about ``rpc_timeout_s`` (plus the client's own ~1-2 s close while the master
+        answers): see ``MasterLink.close``. Idempotent."""
+        self._link.close()

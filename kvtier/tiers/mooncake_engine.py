@@ -7,6 +7,8 @@
 - ``master_endpoint``: the master's ``host:port``, checked once (``ConfigError`` otherwise).
 - ``connect``: create and set up a client with a bounded RPC timeout (the client reads it from
   the environment at setup, so setups are serialized) and without the wheel's ~20 setup retries.
+- ``MasterLink``: a tier's client, lent to each call and counted, so that ``close`` never
+  closes it under a call (the client crashes the process if it is); ``close`` is bounded.
 - ``Prober``: the thread that connects and, while the master is unreachable, finds out when it
   answers again, so that no caller waits for that: the client's own reconnect costs ~4 s per
   call against a dead master (three connection attempts a second apart), whatever
@@ -18,18 +20,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
 import socket
 import threading
+import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvtier.errors import ConfigError
 from kvtier.tiers.breaker import CircuitBreaker
+from kvtier.tiers.mooncake_memory import Registrations, StagingArena
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +50,9 @@ _EXPECTED = frozenset(
     {OBJECT_NOT_FOUND, BUFFER_TOO_SMALL, TRANSFER_FAIL, NO_SPACE, OBJECT_HAS_LEASE, LEASE_EXPIRED}
 )
 _ENV_LOCK = threading.Lock()  # MC_RPC_TIMEOUT_MS is process-global: one setup at a time
+#: the least time between two reconnect attempts (``cooldown_s`` 0 would spin a core)
+MIN_RETRY_S = 0.1
+T = TypeVar("T")
 
 
 class ServerDown(Exception):
@@ -156,6 +164,7 @@ class Prober:
     """
 
     def __init__(self, name: str, attempt: Callable[[], None], breaker: CircuitBreaker) -> None:
+        self.name = name
         self.breaker = breaker
         self.up = threading.Event()
         #: calls answered with a miss because the master was known to be unreachable
@@ -194,15 +203,17 @@ class Prober:
             self.breaker.failed(exc)
             self._cond.notify_all()
 
-    def close(self) -> None:
-        """Stop the thread (callers get misses from now on); waits for an attempt in flight,
-        at most about one RPC timeout. Idempotent."""
+    def close(self, wait_s: float | None = None) -> bool:
+        """Stop the thread (callers get misses from now on); wait up to ``wait_s`` seconds
+        (None: until it ends) for an attempt in flight. True if the thread has ended.
+        Idempotent."""
         with self._cond:
             self._closed = True
             self.up.clear()
             self._cond.notify_all()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join(wait_s)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         try:
@@ -212,7 +223,7 @@ class Prober:
         while self._fatal is None:
             with self._cond:
                 self._cond.wait_for(lambda: self._closed or not self.up.is_set())
-                self._cond.wait_for(lambda: self._closed, self.breaker.cooldown_s)
+                self._cond.wait_for(lambda: self._closed, max(self.breaker.cooldown_s, MIN_RETRY_S))
                 if self._closed:
                     return
             self._try()
@@ -239,3 +250,178 @@ class Prober:
                 self.breaker.succeeded()
                 self._odd_logged = False
                 self.up.set()
+
+
+class MasterLink:
+    """A tier's client of one master: set up, and kept, by a ``Prober`` off the callers'
+    threads; lent to each call, and counted while lent.
+
+    ``call(fn, fallback)`` is ``fn(client)`` -- each call gets its own reference, open until
+    ``fn`` returns -- or ``fallback`` at once while the master is known to be unreachable and
+    after ``close``; ``fn`` raising ``ServerDown`` is ``fallback`` too and hands recovery to
+    the prober. ``close`` closes the client only once neither a call nor the prober uses it: the
+    client crashes the process when it is closed under a transfer. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        master: str,
+        setup_args: Sequence[Any],
+        rpc_timeout_s: float,
+        probe_key: str,
+        staging: StagingArena,
+        regs: Registrations,
+        replicas: int,
+        breaker: CircuitBreaker,
+    ) -> None:
+        self.master = master
+        self.rpc_timeout_s = rpc_timeout_s
+        self._endpoint = master_endpoint(master)
+        self._setup_args = tuple(setup_args)
+        self._probe_key = probe_key
+        self._staging = staging
+        self._regs = regs
+        self._replicas = replicas
+        #: the ``ReplicateConfig`` of puts (set with the client)
+        self.replicate: Any = None
+        self._client: Any = None
+        self._closed = False
+        self._users = 0
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        #: the thread closing the client when ``close`` could not wait for it (for tests)
+        self.closer: threading.Thread | None = None
+        self.prober = Prober(f"kvtier-mooncake-{master}", self._attempt, breaker)
+        weakref.finalize(self, self.prober.close, rpc_timeout_s)  # dropped without close()
+
+    def start(self) -> None:
+        """Start the prober; wait up to ``rpc_timeout_s`` for the first setup (see ``Prober``)."""
+        self.prober.start(self.rpc_timeout_s)
+
+    @property
+    def client(self) -> Any:
+        """The set-up client (None before the first setup and after ``close``); unlent."""
+        return self._client
+
+    @contextlib.contextmanager
+    def lend(self) -> Iterator[Any]:
+        """The client (None before the first setup and after ``close``), kept open until the
+        block ends."""
+        with self._lock:
+            client = None if self._closed else self._client
+            if client is not None:
+                self._users += 1
+        try:
+            yield client
+        finally:
+            if client is not None:
+                with self._lock:
+                    self._users -= 1
+                    if not self._users:
+                        self._idle.notify_all()
+
+    def call(self, fn: Callable[[Any], T], fallback: T) -> T:
+        """``fn(client)``; ``fallback`` while the master is unreachable, after ``close``, or
+        when ``fn`` finds it unreachable (``ServerDown``, reported to the prober)."""
+        if not self.prober.allow():
+            return fallback
+        with self.lend() as client:
+            if client is None:
+                return fallback
+            try:
+                return fn(client)
+            except ServerDown as exc:
+                self.prober.lost(exc)
+                return fallback
+
+    def _attempt(self) -> None:
+        """The prober's work (never a caller's): set up the client, or ask the master one cheap
+        question once there is one. Raises ``ServerDown`` while it is unreachable."""
+        if not reachable(self._endpoint, self.rpc_timeout_s):
+            raise ServerDown(f"master {self.master} does not accept connections")
+        client = self._client
+        if client is None:
+            self._connect()
+            return
+        check_down(client, client.batch_is_exist([self._probe_key]), self.master)
+
+    def _connect(self) -> None:
+        """Create and set up the client; ``ServerDown`` if the master did not answer."""
+        from mooncake.store import ReplicateConfig
+
+        client, rc = connect(self._setup_args, self.rpc_timeout_s)
+        if rc != 0:
+            raise ServerDown(f"setup with master {self.master} returned {rc}")
+        if client.register_buffer(self._staging.base, self._staging.arena.nbytes) != 0:
+            client.close()
+            raise ConfigError("mooncake tier: the transfer engine refused the staging buffer")
+        cfg = ReplicateConfig()
+        cfg.replica_num = self._replicas
+        with self._lock:
+            if not self._closed:
+                self.replicate, self._client = cfg, client
+                return
+        # closed while setting up: the client never served
+        client.unregister_buffer(self._staging.base)
+        client.close()
+
+    def close(self) -> None:
+        """Stop the prober; from now on calls are misses. Close the client once no call uses
+        it (its mounted segment leaves the pool with it). Returns within about
+        ``rpc_timeout_s`` plus the client's own close when the master answers (~1-2 s), at
+        once when it is known down. When the master does not answer (known down, or a call,
+        the prober or one last question stuck on it), a daemon thread closes the client once
+        it answers again: the client's close against a silent master retries for ~4-20 s
+        holding the GIL, which would stall every thread of the process. (If the master never
+        returns, the client is left open.) Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        was_up = self.prober.up.is_set()
+        wait_s = self.rpc_timeout_s if was_up else 0.0  # known down: the closer thread waits
+        deadline = time.monotonic() + wait_s
+        settled = self.prober.close(wait_s)
+        with self._lock:
+            left = max(0.0, deadline - time.monotonic())
+            settled = self._idle.wait_for(lambda: not self._users, left) and settled
+            client, self._client = self._client, None
+        if client is None:
+            return
+        if settled and was_up and self._answers(client):
+            self._release(client)
+            return
+        log.warning(
+            "%s: closed while the master does not answer; its client is closed once it does",
+            self.prober.breaker.name,
+        )
+        self.closer = threading.Thread(
+            target=self._release,
+            args=(client, True),
+            name=f"{self.prober.name}-close",
+            daemon=True,
+        )
+        self.closer.start()
+
+    def _answers(self, client: Any) -> bool:
+        """Does the master answer one cheap question (within ``rpc_timeout_s``)? The question
+        releases the GIL while it waits; the client's close does not."""
+        if not reachable(self._endpoint, self.rpc_timeout_s):
+            return False
+        try:
+            check_down(client, client.batch_is_exist([self._probe_key]), self.master)
+        except ServerDown:
+            return False
+        return True
+
+    def _release(self, client: Any, when_answering: bool = False) -> None:
+        """Close ``client`` once the prober and every call are done with it (and, with
+        ``when_answering``, once the master answers)."""
+        self.prober.close()
+        with self._lock:
+            self._idle.wait_for(lambda: not self._users)
+        while when_answering and not self._answers(client):
+            time.sleep(max(self.prober.breaker.cooldown_s, MIN_RETRY_S))
+        client.unregister_buffer(self._staging.base)
+        self._regs.unpin_all(client)
+        client.close()
