@@ -37,14 +37,14 @@ record before a good one: not what a crash leaves) is rebuilt from the slot head
 ``rescan`` the tier passes in (``kvtier.tiers.nvme_recover``) and snapshotted at once, with a
 generation newer than any record in the old journal.
 
+The syscalls go through ``SlotIO`` (``kvtier.tiers.nvme_io``), the seam tests inject faults at.
+
 Reopening replays one numpy ``frombuffer`` of the snapshot plus a journal bounded to a few times
 the slot count, so 100k blocks reopen in well under a second.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import os
 import struct
@@ -56,6 +56,12 @@ from typing import Any
 
 import numpy as np
 import xxhash
+
+# the I/O seam lives in nvme_io; its names stay importable from here
+from kvtier.tiers.nvme_io import DirSyncError as DirSyncError
+from kvtier.tiers.nvme_io import SlotIO as SlotIO
+from kvtier.tiers.nvme_io import is_full as is_full
+from kvtier.tiers.nvme_io import replace_file, sync_dir
 
 ALIGN = 4096
 META_FILE = "kvtier.meta"
@@ -88,16 +94,6 @@ _SNAP_MAGIC = b"KVTS"
 Entry = tuple[bytes, int]  # (key, payload checksum)
 
 
-class DirSyncError(OSError):
-    """The directory fsync after a rename failed: the rename happened, but whether a crash
-    keeps it is unknown. Never "out of space", whatever its errno."""
-
-
-def is_full(exc: OSError) -> bool:
-    """True for "out of space" (ENOSPC, EDQUOT): a full disk, not a broken one."""
-    return exc.errno in (errno.ENOSPC, errno.EDQUOT) and not isinstance(exc, DirSyncError)
-
-
 def index_reserve(n_slots: int) -> int:
     """Bytes the index of ``n_slots`` slots may need next to the slot file: a bounded journal
     plus a snapshot and its temp file while it is replaced."""
@@ -113,50 +109,6 @@ def _journal_limit(n_slots: int) -> int:
 def slot_bytes_for(block_bytes: int) -> int:
     """Bytes one slot occupies on disk: 64-byte header + payload, rounded up to 4096."""
     return -(-(64 + block_bytes) // ALIGN) * ALIGN
-
-
-class SlotIO:
-    """The syscalls the NVMe tier makes. Tests subclass it to inject faults (ENOSPC, EIO, ...).
-
-    Every method raises ``OSError`` on failure; the tier turns that into misses.
-    """
-
-    def open(self, path: str, flags: int) -> int:
-        return os.open(path, flags, 0o644)
-
-    def pwrite(self, fd: int, buf: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(buf):
-            n = os.pwritev(fd, [buf[done:]], offset + done)
-            if n <= 0:
-                raise OSError(errno.EIO, "short write")
-            done += n
-
-    def pread(self, fd: int, buf: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(buf):
-            n = os.preadv(fd, [buf[done:]], offset + done)
-            if n <= 0:
-                raise OSError(errno.EIO, f"short read at offset {offset + done}")
-            done += n
-
-    def append(self, fd: int, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-
-    def fdatasync(self, fd: int) -> None:
-        os.fdatasync(fd)
-
-    def fsync(self, fd: int) -> None:
-        """A full fsync: of a temp file before its rename, of a directory after it."""
-        os.fsync(fd)
-
-    def allocate(self, fd: int, size: int) -> None:
-        """Make the file exactly ``size`` bytes, with its blocks reserved on the device."""
-        if os.fstat(fd).st_size > size:
-            os.ftruncate(fd, size)
-        os.posix_fallocate(fd, 0, size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,38 +142,6 @@ class DirMeta:
         """Replace the meta atomically and durably (temp file + fsync + rename + dir fsync)."""
         replace_file(directory / META_FILE, json.dumps(asdict(self)).encode(), SlotIO())
         sync_dir(directory, SlotIO())
-
-
-def replace_file(path: Path, data: bytes, io: SlotIO) -> None:
-    """Write ``data`` to a temp file, fsync it and rename it over ``path`` (not yet durable:
-    see ``sync_dir``). On ``OSError`` ``path`` is as it was and no temp file is left."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            io.append(fd, data)
-            io.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)  # the old file stays valid; leave no partial temp
-        raise
-
-
-def sync_dir(directory: Path, io: SlotIO) -> None:
-    """Make the renames in ``directory`` durable; raises ``DirSyncError`` if it cannot."""
-    try:
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            io.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError as exc:
-        raise DirSyncError(
-            exc.errno, f"directory fsync failed: {exc.strerror}", str(directory)
-        ) from exc
 
 
 class DirIndex:
