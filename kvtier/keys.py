@@ -141,11 +141,11 @@ class TokenIds:
     def __len__(self) -> int:
         return self._n
 
-    def validate(self) -> None:
-        """Check every id now (``store`` does, so a bad id past the last full block -- which is
-        never keyed -- still raises instead of being ignored)."""
-        for start in range(0, self._n, 1 << 16):
-            self.chunk(start, min(self._n, start + (1 << 16)))
+    def validate(self, start: int = 0) -> None:
+        """Check every id from ``start`` on now (``store`` checks those past the blocks it
+        keyed, so a bad id that is never keyed still raises instead of being ignored)."""
+        for first in range(start, self._n, 1 << 16):
+            self.chunk(first, min(self._n, first + (1 << 16)))
 
     def chunk(self, start: int, stop: int) -> bytes:
         """Canonical bytes (little-endian uint32) of ``tokens[start:stop]``, validated."""

@@ -137,7 +137,6 @@ class TieredStore(ReadPath):
         """
         self._check_open()
         toks = TokenIds(tokens)
-        toks.validate()
         arr = host_array(kv, self.layout, "kv")
         if arr.shape[2] > len(toks):
             raise LayoutError(
@@ -145,7 +144,8 @@ class TieredStore(ReadPath):
             )
         ns = self.namespace(tenant)
         n_blocks = arr.shape[2] // self.layout.block_tokens
-        keys = list(islice(iter_keys(ns, toks), n_blocks))
+        keys = list(islice(iter_keys(ns, toks), n_blocks))  # checks the ids it keys
+        toks.validate(n_blocks * self.layout.block_tokens)  # and the rest, before any write
         views = self._views(arr, n_blocks)
         self._poll()
         with self._lock:
