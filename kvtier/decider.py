@@ -24,17 +24,16 @@ from kvtier.transfer import Completion
 
 
 @dataclass(slots=True)
-class Counters:
-    """What the store did, in blocks or tokens (``stats()["store"]``, and per tenant).
+class TenantCounters:
+    """What one tenant's requests did, in blocks or tokens (``stats()["tenants"][name]``; the
+    store's totals in ``stats()["store"]`` carry the same fields).
 
     ``hit_tokens`` / ``miss_tokens``: of the full-block tokens each ``load`` asked for, those it
     served and those it did not (not cached, or dropped as lost or corrupt); ``token_hit_ratio``
     in ``stats()`` is hits over both. ``lookup_tokens`` / ``lookup_hit_tokens``: the full-block
     tokens each ``lookup`` asked about and found; ``lookup_hit_ratio`` in ``stats()`` is the
     request-level hit ratio for an engine that looks a prompt up, then loads what was found
-    (the HF integration, vLLM-style connectors), whose loads never miss. ``invalid_blocks``:
-    blocks the index listed as present that a tier could not return verified (lost or
-    corrupt), not blocks an eviction was already taking away.
+    (the HF integration, vLLM-style connectors), whose loads never miss.
     """
 
     lookups: int = 0
@@ -45,6 +44,17 @@ class Counters:
     miss_tokens: int = 0
     stored_tokens: int = 0
     skipped_blocks: int = 0
+
+
+@dataclass(slots=True)
+class Counters(TenantCounters):
+    """The store's totals (``stats()["store"]``): every tenant's counters summed, plus what the
+    store does for all tenants at once (moves between tiers), counted only here.
+
+    ``invalid_blocks``: blocks the index listed as present that a tier could not return
+    verified (lost or corrupt), not blocks an eviction was already taking away.
+    """
+
     invalid_blocks: int = 0
     evictions: int = 0
     demotions: int = 0
@@ -74,20 +84,20 @@ class Decider:
         self.shared = [i for i, t in enumerate(tiers) if t.shared]
         self.index = BlockIndex(policy, [0 if t.shared else t.capacity_blocks for t in tiers])
         self.counters = Counters()
-        self._tenants: dict[str, Counters] = {}
+        self._tenants: dict[str, TenantCounters] = {}
         #: victims per tier whose move out is planned but not yet applied (room on its way)
         self.evicting = [0] * len(tiers)
 
-    def tenant_counters(self, tenant: str) -> Counters:
+    def tenant_counters(self, tenant: str) -> TenantCounters:
         c = self._tenants.get(tenant)
         if c is None:
-            c = self._tenants[tenant] = Counters()
+            c = self._tenants[tenant] = TenantCounters()
         return c
 
-    def tenants(self) -> dict[str, Counters]:
+    def tenants(self) -> dict[str, TenantCounters]:
         return self._tenants
 
-    def counted(self, tenant: str) -> tuple[Counters, Counters]:
+    def counted(self, tenant: str) -> tuple[Counters, TenantCounters]:
         """The store's counters and ``tenant``'s: an event is counted in both."""
         return self.counters, self.tenant_counters(tenant)
 

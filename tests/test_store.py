@@ -142,6 +142,8 @@ def test_load_misses_count_in_the_token_hit_ratio_per_tenant() -> None:
         assert (a["loads"], a["hit_tokens"], a["miss_tokens"]) == (2, 2 * bt, 6 * bt)
         assert s["store"]["token_hit_ratio"] == 0.25 == a["token_hit_ratio"]
         assert a["skipped_blocks"] == 2 and s["tenants"]["b"]["lookups"] == 1
+        # moves between tiers serve every tenant: counted in the store's totals only
+        assert "evictions" in s["store"] and "evictions" not in a and "invalid_blocks" not in a
         # lookups: the request-level ratio of an engine that loads only what lookup found
         st.lookup([*cached, *range(900, 900 + 2 * bt)], tenant="a")
         a = st.stats()["tenants"]["a"]
