@@ -10,12 +10,14 @@ from collections.abc import Hashable
 
 from kvtier.errors import ConfigError
 from kvtier.policy.base import EvictionPolicy
+from kvtier.policy.density import HitDensity
 from kvtier.policy.lru import LRU
 from kvtier.policy.s3fifo import S3FIFO
 
 POLICIES: dict[str, type[EvictionPolicy[Hashable]]] = {
     LRU.name: LRU,
     S3FIFO.name: S3FIFO,
+    HitDensity.name: HitDensity,
 }
 # Chosen by the capacity sweep on the Mooncake trace (docs/simulation.md): never below LRU.
 DEFAULT_POLICY = S3FIFO.name

@@ -1,0 +1,484 @@
+"""Hit-density eviction (LHD, Beckmann et al., NSDI'18), prefix-aware, learned online.
+
+Every resident block is in a *state* set at its last use, and has an *age* (time since then):
+
+* a block a request brought in for the first time: the request's class (the caller's ``hint``,
+  e.g. ``output_class``: answer length, whether it extended a cached prefix) and its place among
+  the request's new blocks (each of the last ``TAIL_CLASSES`` has its own, the rest share one) --
+  on prefix-reuse traces a document is asked about again or never, and its last block is partial
+  so the next request's differs;
+* a block used again (a hit, or a request for it after it was evicted): how often it was used
+  (capped at ``max_uses``) and the class of the request that used it.
+
+A ``LifeTable`` learns, per state and age, how likely a next use is and how soon, weighting
+recent observations most, and gives each (state, age) a *hit density*: expected hits per unit of
+space-time over the next ``horizon_fraction`` x capacity of the clock. Eviction takes the lowest
+density first. Nothing about the workload is hard-coded: which classes come back, how fast, and
+how that changes over time are all learned; a state without data gets the pooled rate, and before
+anything is learned the policy evicts the oldest blocks first (LRU by age bucket).
+
+The clock is *churn*: it advances by the number of new blocks each insert brings, so ages, the
+bucket width, the horizon and the recency weighting are all fractions of the capacity.
+
+Why not S3-FIFO's fixed split: on the Mooncake trace documents waiting for their first reuse and
+documents already reused compete for the same space with similar, changing rates; a fixed
+probation share (or ARC-style adaptation of it) cannot follow that, one density ranking can
+(``docs/simulation.md``).
+
+Data structures: blocks are grouped in *cohorts* -- same state, same start bucket -- that share a
+density. A cohort is a deque of keys in insertion order (a request's chain parent first), so
+popping its right end takes leaves first; cohorts are kept sorted by density, re-sorted when the
+age bucket moves or the table is refit. A key used again joins a new cohort and leaves a stale
+entry behind, skipped when met (cohorts are compacted when stale entries outnumber live ones).
+
+Prefix awareness: a key whose child (the next key of a chain it was inserted with) is still
+resident is never a victim; it waits at the far end of its cohort until the child leaves.
+A lower tier fed by this policy's demotions (``feed_by_demotion``) ranks its blocks with the
+upper tier's table, using the state and age each victim had up there.
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+from collections import deque
+from collections.abc import Callable, Collection, Hashable, Sequence
+from itertools import islice
+from typing import Any, ClassVar
+
+from kvtier.policy.base import EvictionPolicy, K, always
+from kvtier.policy.lifetable import LifeTable
+
+#: the last new keys of a request that get a state of their own (place 0 = the leaf)
+TAIL_CLASSES = 3
+#: a key's metadata is one int: start << START_SHIFT | uses << USES_SHIFT | state
+STATE_BITS = 12
+MAX_STATES = 1 << STATE_BITS
+USES_SHIFT = STATE_BITS
+START_SHIFT = STATE_BITS + 8
+STATE_MASK = MAX_STATES - 1
+MAX_USE_COUNT = 255
+
+
+class HitDensity(EvictionPolicy[K]):
+    """Prefix-aware hit-density eviction with an online life table (module docstring)."""
+
+    name = "density"
+    #: age bucket width, as a fraction of the capacity (in blocks inserted)
+    width_fraction: ClassVar[float] = 1 / 16
+    #: age buckets kept (older ages share the last)
+    buckets: ClassVar[int] = 64
+    #: recency weighting of observations, as a fraction of the capacity
+    tau_fraction: ClassVar[float] = 2.0
+    #: how far ahead a block's density looks, as a fraction of the capacity
+    horizon_fraction: ClassVar[float] = 1.0
+    #: smoothing of the hazards (pseudo-observations)
+    prior: ClassVar[float] = 100.0
+    #: the table is refit every this many buckets of the clock
+    refit_buckets: ClassVar[int] = 1
+    #: uses counted in a reused block's state
+    max_uses: ClassVar[int] = 8
+    #: evicted keys remembered (state, last use) as a multiple of the capacity
+    ghost_factor: ClassVar[float] = 3.0
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        cap = max(1, capacity)
+        self._w = max(1, int(cap * self.width_fraction))
+        self._table = LifeTable(
+            width=self._w,
+            buckets=self.buckets,
+            tau=max(1.0, cap * self.tau_fraction),
+            horizon=max(1, int(cap * self.horizon_fraction)),
+            prior=self.prior,
+        )
+        self._now = 0  # the churn clock: new blocks inserted so far
+        self._next_refit = self._w * self.refit_buckets
+        self._meta: dict[K, int] = {}  # resident key -> start, uses, state (one int)
+        self._ghost: dict[K, int] = {}  # evicted key -> its meta, oldest first
+        self._ghost_cap = max(1, int(cap * self.ghost_factor))
+        self._parent: dict[K, K] = {}  # resident key -> its parent (keys inserted together)
+        self._kids: dict[K, int] = {}  # resident key -> resident children
+        # parents met by an eviction while their children stayed: out of their cohort until
+        # the last child leaves (then filed again, first in line)
+        self._waiting: set[K] = set()
+        self._cohorts: dict[int, deque[K]] = {}  # start bucket << STATE_BITS | state -> keys
+        self._order: list[tuple[float, int, int]] = []  # (density, start bucket, cohort)
+        self._stale = 0  # entries in cohorts that no longer hold their key
+        self._states: dict[Hashable, int] = {}
+        self._names: list[Hashable] = []
+        self._new_ids: dict[Hashable, list[int]] = {}
+        self._upper: HitDensity[K] | None = None  # the tier above, when fed by its demotions
+        self._last_root: K | None = None  # the last insert's first key, if it has no parent
+        self._state(("unlabelled",))  # state 0: the catch-all
+        self._steps = self._use_steps()
+
+    # -- states ------------------------------------------------------------------------------
+    def _state(self, name: Hashable) -> int:
+        s = self._states.get(name)
+        if s is None:
+            if len(self._names) >= MAX_STATES:
+                return 0  # out of room: the catch-all state (state 0, "unlabelled")
+            s = self._states[name] = len(self._names)
+            self._names.append(name)
+            self._table.grow(len(self._names))
+        return s
+
+    def _new_states(self, hint: Hashable | None) -> list[int]:
+        ids = self._new_ids.get(hint)
+        if ids is None:
+            ids = [self._state(("new", hint, p)) for p in range(TAIL_CLASSES + 1)]
+            if len(self._new_ids) < MAX_STATES:
+                self._new_ids[hint] = ids
+        return ids
+
+    def _use_steps(self) -> list[int]:
+        """By a key's use count so far: its next use count and state, as they sit in its meta
+        (``uses << USES_SHIFT | state``; a reused key's state is its use count, capped)."""
+        ids = [self._state(("used", u)) for u in range(self.max_uses + 1)]
+        out = []
+        for u in range(MAX_USE_COUNT + 1):
+            nxt = min(u + 1, self.max_uses)
+            out.append(nxt << USES_SHIFT | ids[min(u, self.max_uses)])
+        return out
+
+    # -- uses ----------------------------------------------------------------------------------
+    def insert(self, keys: Sequence[K], hint: Hashable | None = None) -> None:
+        if self._upper is not None:
+            self._insert_victims(keys)
+            return
+        self._advance(self._use(keys, self._new_states(hint)))
+
+    def access(self, keys: Sequence[K]) -> None:
+        self._use(keys, None)
+
+    def refresh(self, keys: Sequence[K]) -> None:
+        """No use is counted (their load was): ``keys`` are the cached prefix of the keys the
+        last insert brought in, so the last of them becomes the parent of that insert's first
+        key, and is no victim while that child stays."""
+        root = self._last_root
+        self._last_root = None
+        if keys and root is not None and root in self._meta and root not in self._parent:
+            p = keys[-1]
+            if p in self._meta and p != root:
+                self._link(root, p)
+
+    def _use(self, keys: Sequence[K], new_ids: list[int] | None) -> int:
+        """Record a use of ``keys`` (prefix order) now: each known key's life ends (learned) and
+        a new one starts; with ``new_ids`` (an insert) unknown keys become resident in the new
+        state of their place, else they are ignored. Keys are filed in their cohorts leaf first.
+        Returns the number of keys that became resident."""
+        meta, ghost = self._meta, self._ghost
+        table, cohorts, order = self._table, self._cohorts, self._order
+        parent, kids = self._parent, self._kids
+        density = table.density
+        steps = self._steps
+        now = self._now
+        sb = now // self._w
+        stamp = now << START_SHIFT
+        place = n_new = filed = 0
+        last_s = last_m = -1
+        n_open = n_close = 0
+        q: deque[K] | None = None
+        child: K | None = None  # the key before (deeper), if it just became resident
+        for k in reversed(keys):
+            m = meta.get(k)
+            if m is None:
+                if new_ids is None:
+                    child = None
+                    continue
+                n_new += 1
+                if child is not None:
+                    parent[child] = k
+                    kids[k] = kids.get(k, 0) + 1
+                child = k
+                if ghost:
+                    m = ghost.pop(k, None)
+                if m is None:  # brand new: the state of its place among the request's new keys
+                    s = new_ids[place if place < TAIL_CLASSES else TAIL_CLASSES]
+                    place += 1
+                    new = stamp | 1 << USES_SHIFT | s
+            elif child is not None:
+                parent[child] = k
+                kids[k] = kids.get(k, 0) + 1
+                child = None
+            if m is not None:  # a use: its life ends here
+                if m != last_m:
+                    if n_close:
+                        table.close(last_m & STATE_MASK, last_m >> START_SHIFT, now, n_close)
+                    last_m, n_close = m, 0
+                n_close += 1
+                new = stamp | steps[(m >> USES_SHIFT) & MAX_USE_COUNT]
+                s = new & STATE_MASK
+            meta[k] = new
+            if s != last_s:
+                if n_open:
+                    table.open(last_s, now, n_open)
+                last_s, n_open = s, 0
+                cid = sb << STATE_BITS | s
+                q = cohorts.get(cid)
+                if q is None:
+                    q = cohorts[cid] = deque()
+                    insort(order, (density[s][0], sb, cid))
+            n_open += 1
+            filed += 1
+            q.appendleft(k)  # type: ignore[union-attr]
+        if n_close:
+            table.close(last_m & STATE_MASK, last_m >> START_SHIFT, now, n_close)
+        if n_open:
+            table.open(last_s, now, n_open)
+        self._last_root = child if new_ids is not None else self._last_root
+        self._stale += filed - n_new  # keys filed again leave their old entries behind
+        return n_new
+
+    def _advance(self, n_new: int) -> None:
+        """Move the clock on by ``n_new`` blocks; re-rank cohorts when their ages moved."""
+        self._now += n_new
+        now = self._now
+        moved = self._table.tick(now)
+        if now >= self._next_refit:
+            self._table.refit(now)
+            self._next_refit = now + self._w * self.refit_buckets
+            moved = True
+        if moved:
+            self._rank()
+
+    def _rank(self) -> None:
+        """Sort cohorts by density at their current age (oldest first among equals)."""
+        density = self._table.density
+        cur = self._now // self._w
+        last = self.buckets - 1
+        order = []
+        for cid, q in self._cohorts.items():
+            if q:
+                sb = cid >> STATE_BITS
+                age = cur - sb
+                order.append((density[cid & STATE_MASK][age if age < last else last], sb, cid))
+        order.sort()
+        self._order = order
+        self._cohorts = {cid: self._cohorts[cid] for _, _, cid in order}
+
+    # -- eviction -----------------------------------------------------------------------------
+    def remove(self, key: K) -> None:
+        m = self._meta.pop(key, None)
+        if m is None:
+            return
+        self._waiting.discard(key)
+        self._stale += 1
+        self._unlink(key)
+        if self._upper is None:
+            self._table.censor(m & STATE_MASK, m >> START_SHIFT, self._now)
+
+    def _link(self, key: K, parent: K) -> None:
+        self._parent[key] = parent
+        self._kids[parent] = self._kids.get(parent, 0) + 1
+
+    def _unlink(self, key: K) -> K | None:
+        """Forget ``key``'s parent link; returns the parent (None if it had none). A waiting
+        parent whose last child this was is filed again, first in line in its cohort."""
+        p = self._parent.pop(key, None)
+        if p is not None:
+            left = self._kids[p] - 1
+            if left:
+                self._kids[p] = left
+            else:
+                del self._kids[p]
+                if p in self._waiting:
+                    self._waiting.discard(p)
+                    m = self._meta.get(p)
+                    if m is not None:
+                        self._file(p, m)
+        return p
+
+    def _file(self, key: K, m: int) -> None:
+        """Put ``key`` (meta ``m``) at the eviction end of its cohort."""
+        sb = (m >> START_SHIFT) // self._w
+        cid = sb << STATE_BITS | (m & STATE_MASK)
+        q = self._cohorts.get(cid)
+        if q is None:
+            q = self._cohorts[cid] = deque()
+            age = min(self._now // self._w - sb, self.buckets - 1)
+            insort(self._order, (self._table.density[m & STATE_MASK][age], sb, cid))
+        q.append(key)
+
+    def evict(self, n: int, evictable: Callable[[K], bool]) -> list[K] | None:
+        """Lowest density first, leaves first; all-or-nothing. A key whose children are
+        resident waits (out of its cohort) until they left; a pinned key moves to the far end of
+        its cohort."""
+        if n <= 0:
+            return []
+        meta = self._meta
+        if n > len(meta):
+            return None
+        out: list[K] = []  # victims, with their metas and parents (to restore on failure)
+        metas: list[int] = []
+        parents: list[K | None] = []
+        held: list[tuple[deque[K], K]] = []
+        parent, kids, waiting = self._parent, self._kids, self._waiting
+        check = evictable is not always
+        w = self._w
+        cohorts = self._cohorts
+        order = self._order
+        stale = 0
+        before = -1
+        while len(out) < n and len(out) > before:  # again from the lowest while it helps: a
+            before = len(out)  # parent whose last child left is filed again, maybe behind us
+            i = 0
+            while i < len(order):  # (filing a parent may add a cohort to the order)
+                cid = order[i][2]
+                q = cohorts.get(cid)
+                while q:
+                    k = q.pop()
+                    m = meta.get(k)
+                    if m is None or (m >> START_SHIFT) // w << STATE_BITS | (m & STATE_MASK) != cid:
+                        stale += 1
+                        continue  # stale: the key moved on or left
+                    if k in kids:
+                        waiting.add(k)
+                        continue
+                    if check and not evictable(k):
+                        held.append((q, k))
+                        continue
+                    del meta[k]
+                    p = parent.pop(k, None)
+                    if p is not None:
+                        left = kids[p] - 1
+                        if left:
+                            kids[p] = left
+                        else:
+                            del kids[p]
+                            if p in waiting:  # its last child left: first in line again
+                                waiting.discard(p)
+                                if (mp := meta.get(p)) is not None:
+                                    self._file(p, mp)
+                    out.append(k)
+                    metas.append(m)
+                    parents.append(p)
+                    if len(out) == n:
+                        break
+                if len(out) == n:
+                    break
+                i += 1
+        self._stale -= stale
+        if len(out) < n:  # only parents of resident keys left (links out of date): take them
+            for k in list(waiting):
+                if len(out) == n:
+                    break
+                if k in meta and evictable(k):
+                    waiting.discard(k)
+                    metas.append(meta.pop(k))
+                    parents.append(self._unlink(k))
+                    out.append(k)
+        for q, k in held:
+            q.appendleft(k)
+        if len(out) < n:  # put everything back as it was
+            for k, m, p in zip(out, metas, parents, strict=True):
+                meta[k] = m
+                if p is not None:
+                    self._link(k, p)
+            self._compact()
+            return None
+        if self._upper is None:
+            ghost = self._ghost
+            ghost.update(zip(out, metas, strict=True))
+            if len(ghost) > self._ghost_cap:
+                self._trim_ghost()
+        if self._stale > len(meta) + 1024:
+            self._compact()
+        return out
+
+    def _trim_ghost(self) -> None:
+        """Forget the oldest evicted keys beyond ``ghost_factor`` x capacity: censored lives."""
+        ghost = self._ghost
+        table, now = self._table, self._now
+        drop = len(ghost) - self._ghost_cap
+        for k in list(islice(ghost, drop)):
+            m = ghost.pop(k)
+            table.censor(m & STATE_MASK, m >> START_SHIFT, now)
+
+    def _compact(self) -> None:
+        """Rebuild the cohorts from the resident keys (drops every stale entry)."""
+        w = self._w
+        fresh: dict[int, deque[K]] = {}
+        for k, m in self._meta.items():
+            cid = (m >> START_SHIFT) // w << STATE_BITS | (m & STATE_MASK)
+            q = fresh.get(cid)
+            if q is None:
+                q = fresh[cid] = deque()
+            q.appendleft(k)  # the oldest at the eviction end (a parent first waits for its child)
+        self._cohorts = fresh
+        self._waiting.clear()
+        self._stale = 0
+        self._rank()
+
+    # -- hierarchy -----------------------------------------------------------------------------
+    def feed_by_demotion(self, upper: EvictionPolicy[K] | None = None) -> None:
+        """Rank demoted blocks with ``upper``'s table, by the state and age they had there."""
+        if isinstance(upper, HitDensity):
+            self._upper = upper
+            self._table = upper._table
+            self._w = upper._w
+            self._names = upper._names
+        else:
+            self._upper = self  # no table above: every block one state, oldest first
+
+    def _insert_victims(self, keys: Sequence[K]) -> None:
+        upper = self._upper
+        assert upper is not None
+        meta = self._meta
+        ghost = upper._ghost if upper is not self else {}
+        now = upper._now
+        opened: list[tuple[int, K]] = []
+        prev: K | None = None
+        for k in keys:
+            if k in meta:
+                prev = k
+                continue
+            m = ghost.get(k, now << START_SHIFT)
+            meta[k] = m
+            if prev is not None:
+                self._link(k, prev)
+            opened.append((m, k))
+            prev = k
+        w = self._w
+        for m, k in reversed(opened):  # leaf first, each to the newest end of its cohort
+            sb = (m >> START_SHIFT) // w
+            cid = sb << STATE_BITS | (m & STATE_MASK)
+            q = self._cohorts.get(cid)
+            if q is None:
+                q = self._cohorts[cid] = deque()
+            q.appendleft(k)
+        if opened:
+            self._now = now
+            self._rank()
+
+    # -- introspection -------------------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        """Resident and remembered keys, and the learned states with the most resident keys:
+        the state, its hazard of a use in the first age bucket, its density at age 0."""
+        out: dict[str, Any] = {"resident": len(self._meta), "ghost": len(self._ghost)}
+        if self._upper is None and self._names:
+            counts: dict[int, int] = {}
+            for m in self._meta.values():
+                s = m & STATE_MASK
+                counts[s] = counts.get(s, 0) + 1
+            top = sorted(counts, key=lambda s: -counts[s])[:16]
+            haz = self._table.hazard
+            out["states"] = [
+                {
+                    "state": repr(self._names[s]),
+                    "resident": counts[s],
+                    "hazard_first_bucket": round(float(haz[s][0]), 4) if s < len(haz) else 0.0,
+                    "density_age0": self._table.density[s][0],
+                }
+                for s in top
+            ]
+        return out
+
+    def resident(self) -> Collection[object]:
+        return self._meta
+
+    def __len__(self) -> int:
+        return len(self._meta)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._meta
