@@ -45,6 +45,8 @@ from collections.abc import Callable, Collection, Hashable, Sequence
 from itertools import islice
 from typing import Any, ClassVar
 
+import numpy as np
+
 from kvtier.policy.base import EvictionPolicy, K, always
 from kvtier.policy.lifetable import LifeTable
 
@@ -64,9 +66,11 @@ class HitDensity(EvictionPolicy[K]):
 
     name = "density"
     #: age bucket width, as a fraction of the capacity (in blocks inserted)
-    width_fraction: ClassVar[float] = 1 / 16
+    width_fraction: ClassVar[float] = 1 / 64
     #: age buckets kept (older ages share the last)
-    buckets: ClassVar[int] = 64
+    buckets: ClassVar[int] = 128
+    #: cohorts per age bucket (finer cohorts: ages known more exactly)
+    cohort_split: ClassVar[int] = 4
     #: recency weighting of observations, as a fraction of the capacity
     tau_fraction: ClassVar[float] = 2.0
     #: how far ahead a block's density looks, as a fraction of the capacity
@@ -84,6 +88,7 @@ class HitDensity(EvictionPolicy[K]):
         super().__init__(capacity)
         cap = max(1, capacity)
         self._w = max(1, int(cap * self.width_fraction))
+        self._c = max(1, self._w // self.cohort_split)  # cohorts: keys filed within _c of time
         self._table = LifeTable(
             width=self._w,
             buckets=self.buckets,
@@ -170,10 +175,10 @@ class HitDensity(EvictionPolicy[K]):
         meta, ghost = self._meta, self._ghost
         table, cohorts, order = self._table, self._cohorts, self._order
         parent, kids = self._parent, self._kids
-        density = table.density
+        young = table.young
         steps = self._steps
         now = self._now
-        sb = now // self._w
+        sb = now // self._c
         stamp = now << START_SHIFT
         place = n_new = filed = 0
         last_s = last_m = -1
@@ -218,7 +223,7 @@ class HitDensity(EvictionPolicy[K]):
                 q = cohorts.get(cid)
                 if q is None:
                     q = cohorts[cid] = deque()
-                    insort(order, (density[s][0], sb, cid))
+                    insort(order, (young[s], sb, cid))  # age 0
             n_open += 1
             filed += 1
             q.appendleft(k)  # type: ignore[union-attr]
@@ -232,9 +237,10 @@ class HitDensity(EvictionPolicy[K]):
 
     def _advance(self, n_new: int) -> None:
         """Move the clock on by ``n_new`` blocks; re-rank cohorts when their ages moved."""
+        before = self._now // self._c
         self._now += n_new
         now = self._now
-        moved = self._table.tick(now)
+        moved = self._table.tick(now) or now // self._c != before
         if now >= self._next_refit:
             self._table.refit(now)
             self._next_refit = now + self._w * self.refit_buckets
@@ -243,19 +249,24 @@ class HitDensity(EvictionPolicy[K]):
             self._rank()
 
     def _rank(self) -> None:
-        """Sort cohorts by density at their current age (oldest first among equals)."""
-        density = self._table.density
-        cur = self._now // self._w
-        last = self.buckets - 1
-        order = []
-        for cid, q in self._cohorts.items():
-            if q:
-                sb = cid >> STATE_BITS
-                age = cur - sb
-                order.append((density[cid & STATE_MASK][age if age < last else last], sb, cid))
-        order.sort()
-        self._order = order
-        self._cohorts = {cid: self._cohorts[cid] for _, _, cid in order}
+        """Sort cohorts by density at their current age (oldest first among equals); forget
+        empty ones."""
+        cohorts = self._cohorts
+        for cid in [cid for cid, q in cohorts.items() if not q]:
+            del cohorts[cid]
+        if not cohorts:
+            self._order = []
+            return
+        cids = np.fromiter(cohorts, dtype=np.int64, count=len(cohorts))
+        sbs = cids >> STATE_BITS
+        c = self._c
+        # a cohort's age: from the middle of its filing window
+        ages = np.clip((self._now - c // 2 - sbs * c) // self._w, 0, self.buckets - 1)
+        dens = self._table.density[cids & STATE_MASK, ages]
+        idx = np.lexsort((sbs, dens))
+        self._order = list(
+            zip(dens[idx].tolist(), sbs[idx].tolist(), cids[idx].tolist(), strict=True)
+        )
 
     # -- eviction -----------------------------------------------------------------------------
     def remove(self, key: K) -> None:
@@ -291,13 +302,13 @@ class HitDensity(EvictionPolicy[K]):
 
     def _file(self, key: K, m: int) -> None:
         """Put ``key`` (meta ``m``) at the eviction end of its cohort."""
-        sb = (m >> START_SHIFT) // self._w
+        sb = (m >> START_SHIFT) // self._c
         cid = sb << STATE_BITS | (m & STATE_MASK)
         q = self._cohorts.get(cid)
         if q is None:
             q = self._cohorts[cid] = deque()
-            age = min(self._now // self._w - sb, self.buckets - 1)
-            insort(self._order, (self._table.density[m & STATE_MASK][age], sb, cid))
+            age = min(max(0, self._now - sb * self._c - self._c // 2) // self._w, self.buckets - 1)
+            insort(self._order, (float(self._table.density[m & STATE_MASK, age]), sb, cid))
         q.append(key)
 
     def evict(self, n: int, evictable: Callable[[K], bool]) -> list[K] | None:
@@ -315,7 +326,7 @@ class HitDensity(EvictionPolicy[K]):
         held: list[tuple[deque[K], K]] = []
         parent, kids, waiting = self._parent, self._kids, self._waiting
         check = evictable is not always
-        w = self._w
+        w = self._c
         cohorts = self._cohorts
         order = self._order
         stale = 0
@@ -397,7 +408,7 @@ class HitDensity(EvictionPolicy[K]):
 
     def _compact(self) -> None:
         """Rebuild the cohorts from the resident keys (drops every stale entry)."""
-        w = self._w
+        w = self._c
         fresh: dict[int, deque[K]] = {}
         for k, m in self._meta.items():
             cid = (m >> START_SHIFT) // w << STATE_BITS | (m & STATE_MASK)
@@ -417,6 +428,7 @@ class HitDensity(EvictionPolicy[K]):
             self._upper = upper
             self._table = upper._table
             self._w = upper._w
+            self._c = upper._c
             self._names = upper._names
         else:
             self._upper = self  # no table above: every block one state, oldest first
@@ -439,7 +451,7 @@ class HitDensity(EvictionPolicy[K]):
                 self._link(k, prev)
             opened.append((m, k))
             prev = k
-        w = self._w
+        w = self._c
         for m, k in reversed(opened):  # leaf first, each to the newest end of its cohort
             sb = (m >> START_SHIFT) // w
             cid = sb << STATE_BITS | (m & STATE_MASK)
@@ -468,7 +480,7 @@ class HitDensity(EvictionPolicy[K]):
                     "state": repr(self._names[s]),
                     "resident": counts[s],
                     "hazard_first_bucket": round(float(haz[s][0]), 4) if s < len(haz) else 0.0,
-                    "density_age0": self._table.density[s][0],
+                    "density_age0": round(float(self._table.density[s, 0]), 6),
                 }
                 for s in top
             ]

@@ -70,8 +70,10 @@ class LifeTable:
         self._old_sb = np.zeros(0)
         self._last = np.zeros(0)
         self._cur = 0  # current start bucket (clock // width) as of the last ``tick``
-        #: hit density by [state][age bucket] (``refit``); all zero until the first refit
-        self.density: list[list[float]] = []
+        #: hit density by [state, age bucket] (``refit``); all zero until the first refit
+        self.density: npt.NDArray[np.float64] = np.zeros((0, k))
+        #: ``density[:, 0]`` as a list (a new cohort's, looked up per insert)
+        self.young: list[float] = []
         self.hazard: npt.NDArray[np.float64] = np.zeros((0, k))
 
     # -- bookkeeping -----------------------------------------------------------------------
@@ -79,9 +81,11 @@ class LifeTable:
         """Make room for states ``0 .. states - 1``."""
         if states <= self._n:
             return
+        grown = np.zeros((states, self.buckets))
+        grown[: self._n] = self.density[: self._n]
+        self.density = grown
+        self.young = grown[:, 0].tolist()
         self._n = states
-        while len(self.density) < states:
-            self.density.append([0.0] * self.buckets)
         rows = len(self._ev)
         if states <= rows:
             return
@@ -171,7 +175,8 @@ class LifeTable:
         openw = self._open[:n]  # [n, ring], slot = sb % ring
         slots = np.arange(ring)
         sb = self._cur - ((self._cur - slots) % ring)  # the start bucket each slot holds
-        done = np.minimum(self._cur - sb, k)
+        # completed buckets of a life started mid-bucket sb (the ring keeps no exact starts)
+        done = np.clip(np.floor(now / w - sb - 0.5), 0, k).astype(np.int64)
         old = self._old[:n]
         xd[:, 0] += openw.sum(axis=1) + old
         np.add.at(xd.T, done, -openw.T)
@@ -186,25 +191,48 @@ class LifeTable:
         expo[:, k - 1] += self._last[:n] + old * (self._cur - k) - self._old_sb[:n]
         expo *= f
         events = self._ev[:n] * f
-        m = self.prior
-        tot_x = expo[:, 0].sum()
-        prev = np.full(n, events[:, 0].sum() / tot_x if tot_x > 0 else 0.0)
-        h = np.empty((n, k))
-        for b in range(k):
-            h[:, b] = (events[:, b] + m * prev) / (expo[:, b] + m)
-            prev = h[:, b]
-        np.clip(h, 0.0, 1.0, out=h)
-        self.hazard = h
+        self.hazard = h = _smoothed(events, expo, self.prior)
         # density over the horizon: P(used within it) / E[time held until used or horizon]
-        steps = max(1, self.horizon // w)
-        hp = np.concatenate([h, np.repeat(h[:, -1:], steps, axis=1)], axis=1)
-        surv = np.ones((n, k))
-        hits = np.zeros((n, k))
-        held = np.zeros((n, k))
-        for j in range(steps):
-            p = surv * hp[:, j : j + k]
-            hits += p
-            held += p * (j + 0.5)
-            surv = surv * (1.0 - hp[:, j : j + k])
-        held += surv * steps
-        self.density = (hits / np.maximum(held, 1e-12)).tolist()
+        steps = 1 << max(0, round(math.log2(max(1, self.horizon // w))))
+        surv, held = _windows(h, steps)
+        hits = 1.0 - surv
+        self.density = hits / np.maximum(held, 1e-12)
+        self.young = self.density[:, 0].tolist()
+
+
+def _smoothed(
+    events: npt.NDArray[np.float64], expo: npt.NDArray[np.float64], prior: float
+) -> npt.NDArray[np.float64]:
+    """Hazards ``h[s, b] = (events + prior * h[s, b - 1]) / (exposure + prior)``, bucket 0
+    smoothed towards the pooled hazard of bucket 0. The recurrence is affine in ``h[s, b - 1]``,
+    so it is a prefix composition of affine maps, computed in log2(buckets) numpy steps."""
+    k = events.shape[1]
+    tot_x = expo[:, 0].sum()
+    pooled = events[:, 0].sum() / tot_x if tot_x > 0 else 0.0
+    a = prior / (expo + prior)  # h[b] = a[b] * h[b - 1] + c[b]
+    c = events / (expo + prior)
+    d = 1
+    while d < k:  # (a, c)[b] := (a, c)[b] after (a, c)[b - d]: maps over 2d buckets
+        c[:, d:] = a[:, d:] * c[:, :-d] + c[:, d:]
+        a[:, d:] = a[:, d:] * a[:, :-d]
+        d *= 2
+    h: npt.NDArray[np.float64] = np.clip(a * pooled + c, 0.0, 1.0)
+    return h
+
+
+def _windows(
+    h: npt.NDArray[np.float64], steps: int
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """For every start bucket: the chance of no use over the next ``steps`` buckets (a power of
+    two) and the expected buckets held meanwhile (trapezoid rule), hazards past the last bucket
+    being the last's. Windows double log2(steps) times: (survival, held) over 2m buckets are
+    survival(m) x survival(m, later) and held(m) + survival(m) x held(m, later)."""
+    k = h.shape[1]
+    surv = 1.0 - np.concatenate([h, np.repeat(h[:, -1:], steps, axis=1)], axis=1)
+    held = 0.5 * (1.0 + surv)
+    m = 1
+    while m < steps:
+        held = held[:, :-m] + surv[:, :-m] * held[:, m:]
+        surv = surv[:, :-m] * surv[:, m:]
+        m *= 2
+    return surv[:, :k], held[:, :k]
