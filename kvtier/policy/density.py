@@ -75,10 +75,12 @@ class HitDensity(EvictionPolicy[K]):
     tau_fraction: ClassVar[float] = 2.0
     #: how far ahead a block's density looks, as a fraction of the capacity
     horizon_fraction: ClassVar[float] = 1.0
-    #: smoothing of the hazards (pseudo-observations)
-    prior: ClassVar[float] = 100.0
-    #: the table is refit every this many buckets of the clock
+    #: smoothing of the hazards: pseudo-observations, as a fraction of the capacity (at least 1)
+    prior_fraction: ClassVar[float] = 0.003
+    #: the table is refit every this many buckets of the clock, and at most every
+    #: ``min_refit_blocks`` of it (a small cache would otherwise refit every few blocks)
     refit_buckets: ClassVar[int] = 1
+    min_refit_blocks: ClassVar[int] = 64
     #: uses counted in a reused block's state
     max_uses: ClassVar[int] = 8
     #: evicted keys remembered (state, last use) as a multiple of the capacity
@@ -89,15 +91,16 @@ class HitDensity(EvictionPolicy[K]):
         cap = max(1, capacity)
         self._w = max(1, int(cap * self.width_fraction))
         self._c = max(1, self._w // self.cohort_split)  # cohorts: keys filed within _c of time
+        self._refit_every = max(self._w * self.refit_buckets, self.min_refit_blocks)
         self._table = LifeTable(
             width=self._w,
             buckets=self.buckets,
             tau=max(1.0, cap * self.tau_fraction),
             horizon=max(1, int(cap * self.horizon_fraction)),
-            prior=self.prior,
+            prior=max(1.0, cap * self.prior_fraction),
         )
         self._now = 0  # the churn clock: new blocks inserted so far
-        self._next_refit = self._w * self.refit_buckets
+        self._next_refit = self._refit_every
         self._meta: dict[K, int] = {}  # resident key -> start, uses, state (one int)
         self._ghost: dict[K, int] = {}  # evicted key -> its meta, oldest first
         self._ghost_cap = max(1, int(cap * self.ghost_factor))
@@ -243,7 +246,7 @@ class HitDensity(EvictionPolicy[K]):
         moved = self._table.tick(now) or now // self._c != before
         if now >= self._next_refit:
             self._table.refit(now)
-            self._next_refit = now + self._w * self.refit_buckets
+            self._next_refit = now + self._refit_every
             moved = True
         if moved:
             self._rank()
@@ -402,9 +405,16 @@ class HitDensity(EvictionPolicy[K]):
         ghost = self._ghost
         table, now = self._table, self._now
         drop = len(ghost) - self._ghost_cap
+        last, run = -1, 0
         for k in list(islice(ghost, drop)):
             m = ghost.pop(k)
-            table.censor(m & STATE_MASK, m >> START_SHIFT, now)
+            if m != last:  # keys evicted together share their meta: one call per run
+                if run:
+                    table.censor(last & STATE_MASK, last >> START_SHIFT, now, run)
+                last, run = m, 0
+            run += 1
+        if run:
+            table.censor(last & STATE_MASK, last >> START_SHIFT, now, run)
 
     def _compact(self) -> None:
         """Rebuild the cohorts from the resident keys (drops every stale entry)."""
