@@ -1,0 +1,168 @@
+"""The hit-density policy and its online life table (kvtier/policy/density.py, lifetable.py)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from kvtier.policy.base import always
+from kvtier.policy.density import HitDensity
+from kvtier.policy.lifetable import LifeTable, _smoothed, _windows
+from kvtier.sim.replay import TierSpec, replay
+from tests.helpers import SMALL, host_store, kv_for
+from tests.test_sim import tree_trace
+
+
+def _simulate_lives(table: LifeTable, hazard: float, lives: int, seed: int, t0: int = 0) -> int:
+    """Lives of state 0 with a constant per-bucket hazard, started one per clock unit from
+    ``t0``; each ends with a use at a geometric gap (or stays open). Returns the clock after."""
+    rng = random.Random(seed)
+    w = table.width
+    ends: list[tuple[int, int]] = []
+    for i in range(lives):
+        start = t0 + i
+        gap = 0
+        while rng.random() >= hazard:
+            gap += 1
+        ends.append((start, start + gap * w + rng.randrange(w)))
+        table.open(0, start, 1)
+    now = t0 + lives
+    for start, end in sorted(ends, key=lambda e: e[1]):
+        if end >= now + 50 * w:
+            continue  # still open when we look
+        table.tick(end)
+        now = max(now, end)
+        table.close(0, start, end, 1)
+    table.tick(now)
+    return now
+
+
+def test_life_table_recovers_a_constant_hazard() -> None:
+    table = LifeTable(width=10, buckets=16, tau=1e9, horizon=40, prior=1.0)
+    table.grow(1)
+    now = _simulate_lives(table, 0.2, 4000, seed=1)
+    table.refit(now)
+    assert np.allclose(table.hazard[0, :6], 0.2, atol=0.03), table.hazard[0, :8]
+
+
+def test_life_table_follows_the_recent_regime() -> None:
+    """Weighting by recency: after a change of hazard, the table reads the new one."""
+    table = LifeTable(width=10, buckets=16, tau=2000, horizon=40, prior=1.0)
+    table.grow(1)
+    now = _simulate_lives(table, 0.05, 3000, seed=2)
+    now = _simulate_lives(table, 0.4, 3000, seed=3, t0=now + 20000)
+    table.refit(now)
+    assert table.hazard[0, 0] > 0.3, table.hazard[0, :4]
+
+
+def test_closed_and_censored_lives_leave_no_open_weight() -> None:
+    table = LifeTable(width=4, buckets=8, tau=50, horizon=16, prior=1.0)
+    table.grow(2)
+    for start in range(0, 400, 3):  # long past the ring (old lives) and the rebase
+        table.tick(start)
+        table.open(start % 2, start, 2)
+    for start in range(0, 400, 3):
+        table.close(start % 2, start, 400, 1)
+        table.censor(start % 2, start, 400, 1)
+    scale = np.exp((table._base - 400) / table.tau)
+    assert np.abs(table._open[:2]).max() * scale < 1e-9
+    assert np.abs(table._old[:2]).max() * scale < 1e-9
+
+
+def test_smoothing_and_windows_match_their_loops() -> None:
+    rng = np.random.default_rng(0)
+    events = rng.random((5, 12)) * 3
+    expo = events + rng.random((5, 12)) * 10
+    m = 4.0
+    h = _smoothed(events.copy(), expo.copy(), m)
+    prev = np.full(5, events[:, 0].sum() / expo[:, 0].sum())
+    for b in range(12):
+        prev = (events[:, b] + m * prev) / (expo[:, b] + m)
+        assert np.allclose(h[:, b], prev)
+    steps = 8
+    surv, held = _windows(h, steps)
+    for s in range(5):
+        for a in range(12):
+            alive, time = 1.0, 0.0
+            for j in range(steps):
+                hz = h[s, min(a + j, 11)]
+                time += alive * (1 - 0.5 * hz)  # trapezoid over the bucket
+                alive *= 1 - hz
+            assert np.isclose(surv[s, a], alive) and np.isclose(held[s, a], time)
+
+
+def test_density_learns_which_request_class_comes_back() -> None:
+    """Blocks of class "doc" are asked for again 40 requests later, "chat" ones never. Once the
+    classes are learned, a forced eviction takes chat blocks, old or new, and no document
+    waiting for its reuse (LRU would take the oldest documents first)."""
+    pol: HitDensity[int] = HitDensity(400)
+    key = 0
+    docs: list[list[int]] = []
+    hits = 0
+    for step in range(4000):
+        chain = list(range(key, key + 4))
+        key += 4
+        if step % 2:
+            pol.insert(chain, "chat")
+        else:
+            pol.insert(chain, "doc")
+            docs.append(chain)
+        if len(docs) > 20:
+            reused = docs.pop(0)
+            hits += step > 2000 and all(k in pol for k in reused)
+            pol.insert(reused, "doc")
+        if len(pol) > 380:
+            assert pol.evict(len(pol) - 380, always) is not None
+    assert hits >= 990, hits  # the second half's 1,000 reuses find their documents whole
+    waiting = {k for d in docs for k in d}
+    victims = pol.evict(200, always)
+    assert victims is not None and not waiting & set(victims)
+
+
+def test_density_never_drops_a_parent_before_its_child() -> None:
+    """Keys of one chain in states whose densities disagree (the parent's lower): the child
+    still leaves first, and a parent goes only once its children are gone."""
+    pol: HitDensity[int] = HitDensity(64)
+    for i in range(40):  # blocks stored under "cold" are never reused; "hot" ones always
+        pol.insert([100 + i], "cold")
+        pol.insert([200 + i], "hot")
+        pol.insert([200 + i], "hot")
+    pol.evict(len(pol), always)
+    pol.insert([1, 2, 3], "cold")  # 3 is this chain's leaf
+    pol.access([1, 2])
+    order: list[int] = []
+    while len(pol):
+        victims = pol.evict(1, always)
+        assert victims is not None
+        order += victims
+    assert order.index(3) < order.index(2) < order.index(1)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_density_in_a_hierarchy(seed: int) -> None:
+    """A lower tier fed by the first tier's victims ranks them with the first tier's table:
+    hits and demotions add up, and a second tier only adds hits."""
+    trace = tree_trace(seed, n_req=300, nodes=120)
+    one = replay(trace, [TierSpec("x", 8, "density")])
+    two = replay(trace, [TierSpec("x", 8, "density"), TierSpec("y", 24, "density")])
+    assert two.hit_tokens.sum() >= one.hit_tokens.sum()
+    assert two.written_blocks[1] == two.evicted_blocks[0]  # every victim demoted
+    belady = replay(trace, [TierSpec("x", 32, "belady")])
+    assert two.block_hits <= belady.block_hits
+
+
+def test_store_runs_on_the_density_policy() -> None:
+    bt = SMALL.block_tokens
+    with host_store(blocks=8, policy="density") as st:
+        for doc in range(6):
+            tokens = [doc * 1000 + i for i in range(3 * bt)]
+            st.store(tokens, kv_for(tokens))
+        tokens = [5000 + i for i in range(3 * bt)]
+        out = np.zeros(SMALL.kv_shape(3 * bt), SMALL.storage_dtype)
+        assert st.load(tokens, out) == 3 * bt  # the newest document is still there
+        assert np.array_equal(out, kv_for(tokens))
+        stats = st.stats()
+        assert stats["store"]["evictions"] >= 10
+        assert stats["policies"]["host"]["resident"] <= 8
