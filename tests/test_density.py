@@ -166,3 +166,15 @@ def test_store_runs_on_the_density_policy() -> None:
         stats = st.stats()
         assert stats["store"]["evictions"] >= 10
         assert stats["policies"]["host"]["resident"] <= 8
+
+
+def test_per_request_hints_use_up_states_not_memory() -> None:
+    """A caller passing a new hint with every request: states stop at ``max_states`` (the rest
+    share the catch-all) and the policy keeps working."""
+    pol: HitDensity[int] = HitDensity(100)
+    for i in range(2000):
+        pol.insert([3 * i, 3 * i + 1, 3 * i + 2], f"request-{i}")
+        if len(pol) > 90:
+            assert pol.evict(len(pol) - 90, always) is not None
+    assert len(pol._names) <= HitDensity.max_states
+    assert pol._table.density.shape[0] <= 2 * HitDensity.max_states

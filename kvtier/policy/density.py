@@ -1,40 +1,31 @@
 """Hit-density eviction (LHD, Beckmann et al., NSDI'18), prefix-aware, learned online.
 
-Every resident block is in a *state* set at its last use, and has an *age* (time since then):
+Every resident block has a *state*, set at its last use, and an *age* (time since then):
 
-* a block a request brought in for the first time: the request's class (the caller's ``hint``,
-  e.g. ``output_class``: answer length, whether it extended a cached prefix) and its place among
-  the request's new blocks (each of the last ``TAIL_CLASSES`` has its own, the rest share one) --
-  on prefix-reuse traces a document is asked about again or never, and its last block is partial
-  so the next request's differs;
-* a block used again (a hit, or a request for it after it was evicted): how often it was used
-  (capped at ``max_uses``) and the class of the request that used it.
+* a block a request brought in: the request's class (the caller's ``hint``, e.g.
+  ``output_class``) and its place among the request's new blocks (the last ``TAIL_CLASSES``
+  have their own, the rest share one: a request's last block is often partial, so the next
+  request's differs);
+* a block used again (a hit, or a request for it after it was evicted): its use count, capped.
 
-A ``LifeTable`` learns, per state and age, how likely a next use is and how soon, weighting
-recent observations most, and gives each (state, age) a *hit density*: expected hits per unit of
-space-time over the next ``horizon_fraction`` x capacity of the clock. Eviction takes the lowest
-density first. Nothing about the workload is hard-coded: which classes come back, how fast, and
-how that changes over time are all learned; a state without data gets the pooled rate, and before
-anything is learned the policy evicts the oldest blocks first (LRU by age bucket).
+A ``LifeTable`` learns per state and age how likely a next use is and how soon, weighting recent
+observations most, and gives each (state, age) a *hit density*: the chance of a use within the
+next capacity's worth of the clock over the space-time held until then. Eviction takes the lowest
+density first. Nothing about the workload is coded in; a state without data gets the pooled
+rate, and before anything is learned the oldest blocks go first. The clock is *churn* (new
+blocks inserted), so ages, bucket width, horizon and recency weighting are all fractions of the
+capacity. Results and limits: ``docs/simulation.md`` (opt-in; S3-FIFO stays the default).
 
-The clock is *churn*: it advances by the number of new blocks each insert brings, so ages, the
-bucket width, the horizon and the recency weighting are all fractions of the capacity.
+Blocks are filed in *cohorts* (same state, filed within the same quarter of an age bucket) that
+share a density; cohorts are sorted by density and re-sorted as they age or the table is refit.
+A cohort is a deque: each request's keys enter at one end leaf first, eviction pops the other,
+so the oldest request's leaf goes first. A key used again joins a new cohort and leaves a stale
+entry behind, skipped when met (cohorts are rebuilt when stale entries outnumber live ones).
 
-Why not S3-FIFO's fixed split: on the Mooncake trace documents waiting for their first reuse and
-documents already reused compete for the same space with similar, changing rates; a fixed
-probation share (or ARC-style adaptation of it) cannot follow that, one density ranking can
-(``docs/simulation.md``).
-
-Data structures: blocks are grouped in *cohorts* -- same state, same start bucket -- that share a
-density. A cohort is a deque of keys in insertion order (a request's chain parent first), so
-popping its right end takes leaves first; cohorts are kept sorted by density, re-sorted when the
-age bucket moves or the table is refit. A key used again joins a new cohort and leaves a stale
-entry behind, skipped when met (cohorts are compacted when stale entries outnumber live ones).
-
-Prefix awareness: a key whose child (the next key of a chain it was inserted with) is still
-resident is never a victim; it waits at the far end of its cohort until the child leaves.
-A lower tier fed by this policy's demotions (``feed_by_demotion``) ranks its blocks with the
-upper tier's table, using the state and age each victim had up there.
+Prefix awareness: a key whose child (the next key of a chain inserted with it) is resident is
+never a victim; met by an eviction, it waits out of its cohort until its last child leaves, then
+is filed first in line. A lower tier fed by this policy's demotions (``feed_by_demotion``) ranks
+them with this policy's table, by the state and age each victim had here.
 """
 
 from __future__ import annotations
@@ -83,6 +74,9 @@ class HitDensity(EvictionPolicy[K]):
     min_refit_blocks: ClassVar[int] = 64
     #: uses counted in a reused block's state
     max_uses: ClassVar[int] = 8
+    #: states learned at most (a caller passing per-request hints gets the catch-all state
+    #: once they are used up; each state costs a row of the life table)
+    max_states: ClassVar[int] = 512
     #: evicted keys remembered (state, last use) as a multiple of the capacity
     ghost_factor: ClassVar[float] = 3.0
 
@@ -124,7 +118,7 @@ class HitDensity(EvictionPolicy[K]):
     def _state(self, name: Hashable) -> int:
         s = self._states.get(name)
         if s is None:
-            if len(self._names) >= MAX_STATES:
+            if len(self._names) >= self.max_states:
                 return 0  # out of room: the catch-all state (state 0, "unlabelled")
             s = self._states[name] = len(self._names)
             self._names.append(name)
@@ -135,7 +129,7 @@ class HitDensity(EvictionPolicy[K]):
         ids = self._new_ids.get(hint)
         if ids is None:
             ids = [self._state(("new", hint, p)) for p in range(TAIL_CLASSES + 1)]
-            if len(self._new_ids) < MAX_STATES:
+            if len(self._new_ids) < self.max_states:
                 self._new_ids[hint] = ids
         return ids
 
