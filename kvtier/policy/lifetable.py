@@ -22,9 +22,10 @@ Beckmann et al., NSDI'18): the chance it is used within ``horizon`` divided by t
 expected to hold its space until then (its next use, or the horizon). The policy evicts the lowest
 density first.
 
-Costs: ``close``, ``open``, ``censor`` are O(1) (Python floats; a weight is rebased every
-``30 * tau`` of the clock so it never overflows); ``refit`` is O(states x buckets x horizon
-buckets) with numpy, run by the policy every so often.
+Costs: ``close``, ``open``, ``censor`` are O(1) (a few numpy scalar updates; weights are rebased
+every ``30 * tau`` of the clock so they never overflow); ``tick`` is O(states) per age bucket
+passed; ``refit`` is O(states x buckets x log(horizon / width)) with numpy (prefix scans), run
+by the policy every so often. The horizon is rounded to a power of two buckets.
 """
 
 from __future__ import annotations
