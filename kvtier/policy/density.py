@@ -72,8 +72,8 @@ class HitDensity(EvictionPolicy[K]):
     #: ``min_refit_blocks`` of it (a small cache would otherwise refit every few blocks)
     refit_buckets: ClassVar[int] = 1
     min_refit_blocks: ClassVar[int] = 64
-    #: uses counted in a reused block's state
-    max_uses: ClassVar[int] = 8
+    #: a reused block's state: used once, or more (finer states did worse: docs/simulation.md)
+    max_uses: ClassVar[int] = 2
     #: states learned at most (a caller passing per-request hints gets the catch-all state
     #: once they are used up; each state costs a row of the life table)
     max_states: ClassVar[int] = 512
