@@ -70,7 +70,7 @@ class HitDensity(EvictionPolicy[K]):
     prior_fraction: ClassVar[float] = 0.003
     #: the table is refit every this many buckets of the clock, and at most every
     #: ``min_refit_blocks`` of it (a small cache would otherwise refit every few blocks)
-    refit_buckets: ClassVar[int] = 1
+    refit_buckets: ClassVar[int] = 2
     min_refit_blocks: ClassVar[int] = 64
     #: a reused block's state: used once, or more (finer states did worse: docs/simulation.md)
     max_uses: ClassVar[int] = 2
