@@ -22,8 +22,10 @@ NEIGHBOURS = [
     ("tau_fraction", 3.0),
     ("width_fraction", 1 / 48),
     ("width_fraction", 1 / 96),
-    ("horizon_fraction", 0.75),
+    ("horizon_fraction", 1.0),
+    ("horizon_fraction", 4.0),
     ("ghost_factor", 2.0),
+    ("refit_buckets", 4),
 ]
 
 

@@ -10,30 +10,32 @@ Every resident block has a *state*, set at its last use, and an *age* (time sinc
 
 A ``LifeTable`` learns per state and age how likely a next use is and how soon, weighting recent
 observations most, and gives each (state, age) a *hit density*: the chance of a use within the
-next capacity's worth of the clock over the space-time held until then. Eviction takes the lowest
-density first. Nothing about the workload is coded in; a state without data gets the pooled
-rate, and before anything is learned the oldest blocks go first. The clock is *churn* (new
-blocks inserted), so ages, bucket width, horizon and recency weighting are all fractions of the
-capacity. Results and limits: ``docs/simulation.md`` (opt-in; S3-FIFO stays the default).
+next ``horizon_fraction`` capacities' worth of the clock over the space-time held until then.
+Nothing about the workload is coded in; a state without data gets the pooled rate, and before
+anything is learned the oldest blocks go first. The clock is *churn* (new blocks inserted), so
+ages, bucket width, horizon and recency weighting are all fractions of the capacity. Results and
+limits: ``docs/simulation.md`` (opt-in; S3-FIFO stays the default).
 
-Blocks are filed in *cohorts* (same state, filed within the same quarter of an age bucket) that
-share a density; cohorts are sorted by density and re-sorted as they age or the table is refit.
-A cohort is a deque: each request's keys enter at one end leaf first, eviction pops the other,
-so the oldest request's leaf goes first. A key used again joins a new cohort and leaves a stale
-entry behind, skipped when met (cohorts are rebuilt when stale entries outnumber live ones).
+Each state keeps its blocks in a FIFO queue, in order of last use (a request's keys enter leaf
+first). A block's density is taken as the lowest it had at any age up to its own (so it never
+rises with age), which makes a queue's oldest block its least dense: eviction takes the queue
+whose oldest block has the lowest density, from that end, and never ranks blocks one by one.
+(The non-monotone density, ranked in cohorts of age, did as well at 10k blocks on the Mooncake
+trace and worse at 3k-5k; ``docs/simulation.md``.) The queue heads sit in a heap, rebuilt when
+the ages move a bucket or the table is refit. A key used again is queued anew and leaves a stale
+entry behind, skipped when met (queues are filtered when stale entries outnumber live ones).
 
 Prefix awareness: a key whose child (the next key of a chain inserted with it) is resident is
-never a victim; met by an eviction, it waits out of its cohort until its last child leaves, then
-is filed first in line. A lower tier fed by this policy's demotions (``feed_by_demotion``) ranks
+never a victim; met by an eviction, it waits out of its queue until its last child leaves, then
+is queued first in line. A lower tier fed by this policy's demotions (``feed_by_demotion``) ranks
 them with this policy's table, by the state and age each victim had here.
 """
 
 from __future__ import annotations
 
-from bisect import insort
+import heapq
 from collections import deque
 from collections.abc import Callable, Collection, Hashable, Sequence
-from itertools import islice
 from typing import Any, ClassVar
 
 import numpy as np
@@ -51,6 +53,8 @@ START_SHIFT = STATE_BITS + 8
 STATE_MASK = MAX_STATES - 1
 MAX_USE_COUNT = 255
 
+Entry = tuple[Any, int]  # a queued key and the meta it was queued with (stale once it changed)
+
 
 class HitDensity(EvictionPolicy[K]):
     """Prefix-aware hit-density eviction with an online life table (module docstring)."""
@@ -60,12 +64,10 @@ class HitDensity(EvictionPolicy[K]):
     width_fraction: ClassVar[float] = 1 / 64
     #: age buckets kept (older ages share the last)
     buckets: ClassVar[int] = 128
-    #: cohorts per age bucket (finer cohorts: ages known more exactly)
-    cohort_split: ClassVar[int] = 4
     #: recency weighting of observations, as a fraction of the capacity
     tau_fraction: ClassVar[float] = 2.0
     #: how far ahead a block's density looks, as a fraction of the capacity
-    horizon_fraction: ClassVar[float] = 1.0
+    horizon_fraction: ClassVar[float] = 2.0
     #: smoothing of the hazards: pseudo-observations, as a fraction of the capacity (at least 1)
     prior_fraction: ClassVar[float] = 0.003
     #: the table is refit every this many buckets of the clock, and at most every
@@ -84,7 +86,6 @@ class HitDensity(EvictionPolicy[K]):
         super().__init__(capacity)
         cap = max(1, capacity)
         self._w = max(1, int(cap * self.width_fraction))
-        self._c = max(1, self._w // self.cohort_split)  # cohorts: keys filed within _c of time
         self._refit_every = max(self._w * self.refit_buckets, self.min_refit_blocks)
         self._table = LifeTable(
             width=self._w,
@@ -95,21 +96,29 @@ class HitDensity(EvictionPolicy[K]):
         )
         self._now = 0  # the churn clock: new blocks inserted so far
         self._next_refit = self._refit_every
+        self._epoch = 0  # bumped whenever densities or age buckets moved (lower tiers follow)
         self._meta: dict[K, int] = {}  # resident key -> start, uses, state (one int)
-        self._ghost: dict[K, int] = {}  # evicted key -> its meta, oldest first
+        self._ghost: dict[K, int] = {}  # evicted key -> its meta
+        self._gone: deque[Entry] = deque()  # evicted keys and metas, oldest first
         self._ghost_cap = max(1, int(cap * self.ghost_factor))
         self._parent: dict[K, K] = {}  # resident key -> its parent (keys inserted together)
         self._kids: dict[K, int] = {}  # resident key -> resident children
-        # parents met by an eviction while their children stayed: out of their cohort until
-        # the last child leaves (then filed again, first in line)
+        # parents met by an eviction while their children stayed: out of their queue until
+        # the last child leaves (then queued again, first in line)
         self._waiting: set[K] = set()
-        self._cohorts: dict[int, deque[K]] = {}  # start bucket << STATE_BITS | state -> keys
-        self._order: list[tuple[float, int, int]] = []  # (density, start bucket, cohort)
-        self._stale = 0  # entries in cohorts that no longer hold their key
+        self._queues: list[deque[Entry]] = []  # per state: newest at the left
+        self._dens: list[list[float]] = []  # per state and age bucket, non-increasing in age
+        self._heap: list[tuple[float, int, int]] = []  # (density, start, state) of queue heads
+        self._top: list[int] = []  # per state: the start of its live heap entry (-1: none)
+        self._stale = 0  # queue entries that no longer hold their key
         self._states: dict[Hashable, int] = {}
         self._names: list[Hashable] = []
         self._new_ids: dict[Hashable, list[int]] = {}
         self._upper: HitDensity[K] | None = None  # the tier above, when fed by its demotions
+        self._root: HitDensity[K] = self  # the top tier (its table, clock and ghost)
+        self._below = 0  # blocks the tiers below hold (the top tier's ghost covers them)
+        self._passes_down = False  # a tier below takes this one's victims (and their metas)
+        self._passed: dict[K, int] = {}  # the last victims' metas, for the tier below
         self._last_root: K | None = None  # the last insert's first key, if it has no parent
         self._state(("unlabelled",))  # state 0: the catch-all
         self._steps = self._use_steps()
@@ -123,6 +132,9 @@ class HitDensity(EvictionPolicy[K]):
             s = self._states[name] = len(self._names)
             self._names.append(name)
             self._table.grow(len(self._names))
+            self._queues.append(deque())
+            self._dens.append([0.0] * self.buckets)
+            self._top.append(-1)
         return s
 
     def _new_states(self, hint: Hashable | None) -> list[int]:
@@ -148,7 +160,9 @@ class HitDensity(EvictionPolicy[K]):
         if self._upper is not None:
             self._insert_victims(keys)
             return
-        self._advance(self._use(keys, self._new_states(hint)))
+        n_new = self._use(keys, self._new_states(hint))
+        if n_new:
+            self._advance(n_new)
 
     def access(self, keys: Sequence[K]) -> None:
         self._use(keys, None)
@@ -167,20 +181,18 @@ class HitDensity(EvictionPolicy[K]):
     def _use(self, keys: Sequence[K], new_ids: list[int] | None) -> int:
         """Record a use of ``keys`` (prefix order) now: each known key's life ends (learned) and
         a new one starts; with ``new_ids`` (an insert) unknown keys become resident in the new
-        state of their place, else they are ignored. Keys are filed in their cohorts leaf first.
-        Returns the number of keys that became resident."""
+        state of their place, else they are ignored. Keys are queued leaf first. Returns the
+        number of keys that became resident."""
         meta, ghost = self._meta, self._ghost
-        table, cohorts, order = self._table, self._cohorts, self._order
+        table, queues, top = self._table, self._queues, self._top
         parent, kids = self._parent, self._kids
-        young = table.young
         steps = self._steps
         now = self._now
-        sb = now // self._c
         stamp = now << START_SHIFT
         place = n_new = filed = 0
         last_s = last_m = -1
         n_open = n_close = 0
-        q: deque[K] | None = None
+        q: deque[Entry] | None = None
         child: K | None = None  # the key before (deeper), if it just became resident
         for k in reversed(keys):
             m = meta.get(k)
@@ -216,54 +228,62 @@ class HitDensity(EvictionPolicy[K]):
                 if n_open:
                     table.open(last_s, now, n_open)
                 last_s, n_open = s, 0
-                cid = sb << STATE_BITS | s
-                q = cohorts.get(cid)
-                if q is None:
-                    q = cohorts[cid] = deque()
-                    insort(order, (young[s], sb, cid))  # age 0
+                q = queues[s]
+                if top[s] < 0:  # no head in the heap (the queue holds nothing live)
+                    self._push(s, now)
             n_open += 1
             filed += 1
-            q.appendleft(k)  # type: ignore[union-attr]
+            q.appendleft((k, new))  # type: ignore[union-attr]
         if n_close:
             table.close(last_m & STATE_MASK, last_m >> START_SHIFT, now, n_close)
         if n_open:
             table.open(last_s, now, n_open)
         self._last_root = child if new_ids is not None else self._last_root
-        self._stale += filed - n_new  # keys filed again leave their old entries behind
+        self._stale += filed - n_new  # keys queued again leave their old entries behind
         return n_new
 
     def _advance(self, n_new: int) -> None:
-        """Move the clock on by ``n_new`` blocks; re-rank cohorts when their ages moved."""
-        before = self._now // self._c
+        """Move the clock on by ``n_new`` blocks; refit the table when due; rebuild the heap
+        of queue heads when their age buckets or densities moved."""
         self._now += n_new
         now = self._now
-        moved = self._table.tick(now) or now // self._c != before
+        moved = self._table.tick(now)
         if now >= self._next_refit:
             self._table.refit(now)
             self._next_refit = now + self._refit_every
+            self._dens = np.minimum.accumulate(self._table.density, axis=1).tolist()
             moved = True
         if moved:
-            self._rank()
+            self._epoch += 1
+            self._rebuild()
 
-    def _rank(self) -> None:
-        """Sort cohorts by density at their current age (oldest first among equals); forget
-        empty ones."""
-        cohorts = self._cohorts
-        for cid in [cid for cid, q in cohorts.items() if not q]:
-            del cohorts[cid]
-        if not cohorts:
-            self._order = []
-            return
-        cids = np.fromiter(cohorts, dtype=np.int64, count=len(cohorts))
-        sbs = cids >> STATE_BITS
-        c = self._c
-        # a cohort's age: from the middle of its filing window
-        ages = np.clip((self._now - c // 2 - sbs * c) // self._w, 0, self.buckets - 1)
-        dens = self._table.density[cids & STATE_MASK, ages]
-        idx = np.lexsort((sbs, dens))
-        self._order = list(
-            zip(dens[idx].tolist(), sbs[idx].tolist(), cids[idx].tolist(), strict=True)
-        )
+    def _density(self, s: int, start: int) -> float:
+        age = (self._now - start) // self._w
+        return self._dens[s][age if age < self.buckets else -1]
+
+    def _push(self, s: int, start: int) -> None:
+        """Make (the density of ``start`` in ``s``, ``start``) state ``s``'s heap entry."""
+        self._top[s] = start
+        heapq.heappush(self._heap, (self._density(s, start), start, s))
+
+    def _rebuild(self) -> None:
+        """Every state's heap entry from its queue's oldest live entry."""
+        meta, top = self._meta, self._top
+        heap = []
+        stale = 0
+        for s, q in enumerate(self._queues):
+            while q and meta.get(q[-1][0]) != q[-1][1]:
+                q.pop()
+                stale += 1
+            if q:
+                start = q[-1][1] >> START_SHIFT
+                heap.append((self._density(s, start), start, s))
+                top[s] = start
+            else:
+                top[s] = -1
+        self._stale -= stale
+        heapq.heapify(heap)
+        self._heap = heap
 
     # -- eviction -----------------------------------------------------------------------------
     def remove(self, key: K) -> None:
@@ -282,7 +302,7 @@ class HitDensity(EvictionPolicy[K]):
 
     def _unlink(self, key: K) -> K | None:
         """Forget ``key``'s parent link; returns the parent (None if it had none). A waiting
-        parent whose last child this was is filed again, first in line in its cohort."""
+        parent whose last child this was is queued again, first in line."""
         p = self._parent.pop(key, None)
         if p is not None:
             left = self._kids[p] - 1
@@ -294,78 +314,89 @@ class HitDensity(EvictionPolicy[K]):
                     self._waiting.discard(p)
                     m = self._meta.get(p)
                     if m is not None:
-                        self._file(p, m)
+                        self._requeue(p, m)
         return p
 
-    def _file(self, key: K, m: int) -> None:
-        """Put ``key`` (meta ``m``) at the eviction end of its cohort."""
-        sb = (m >> START_SHIFT) // self._c
-        cid = sb << STATE_BITS | (m & STATE_MASK)
-        q = self._cohorts.get(cid)
-        if q is None:
-            q = self._cohorts[cid] = deque()
-            age = min(max(0, self._now - sb * self._c - self._c // 2) // self._w, self.buckets - 1)
-            insort(self._order, (float(self._table.density[m & STATE_MASK, age]), sb, cid))
-        q.append(key)
+    def _requeue(self, key: K, m: int) -> None:
+        """Put ``key`` (meta ``m``) at the eviction end of its state's queue."""
+        s = m & STATE_MASK
+        self._queues[s].append((key, m))
+        start = m >> START_SHIFT
+        if self._top[s] < 0 or start < self._top[s]:
+            self._push(s, start)
 
     def evict(self, n: int, evictable: Callable[[K], bool]) -> list[K] | None:
         """Lowest density first, leaves first; all-or-nothing. A key whose children are
-        resident waits (out of its cohort) until they left; a pinned key moves to the far end of
-        its cohort."""
+        resident waits (out of its queue) until they left; a pinned key is skipped (it keeps
+        its place)."""
         if n <= 0:
             return []
         meta = self._meta
         if n > len(meta):
             return None
+        root = self._root
+        if root is not self:  # a lower tier: the top tier's clock and densities
+            self._now, self._dens = root._now, root._dens
+            if self._epoch != root._epoch:
+                self._epoch = root._epoch
+                self._rebuild()
         out: list[K] = []  # victims, with their metas and parents (to restore on failure)
         metas: list[int] = []
         parents: list[K | None] = []
-        held: list[tuple[deque[K], K]] = []
+        held: list[tuple[deque[Entry], Entry]] = []
         parent, kids, waiting = self._parent, self._kids, self._waiting
         check = evictable is not always
-        w = self._c
-        cohorts = self._cohorts
-        order = self._order
+        heap, top, queues, dens = self._heap, self._top, self._queues, self._dens
+        w, last, now = self._w, self.buckets - 1, self._now
         stale = 0
-        before = -1
-        while len(out) < n and len(out) > before:  # again from the lowest while it helps: a
-            before = len(out)  # parent whose last child left is filed again, maybe behind us
-            i = 0
-            while i < len(order):  # (filing a parent may add a cohort to the order)
-                cid = order[i][2]
-                q = cohorts.get(cid)
-                while q:
-                    k = q.pop()
-                    m = meta.get(k)
-                    if m is None or (m >> START_SHIFT) // w << STATE_BITS | (m & STATE_MASK) != cid:
-                        stale += 1
-                        continue  # stale: the key moved on or left
-                    if k in kids:
-                        waiting.add(k)
-                        continue
-                    if check and not evictable(k):
-                        held.append((q, k))
-                        continue
-                    del meta[k]
-                    p = parent.pop(k, None)
-                    if p is not None:
-                        left = kids[p] - 1
-                        if left:
-                            kids[p] = left
-                        else:
-                            del kids[p]
-                            if p in waiting:  # its last child left: first in line again
-                                waiting.discard(p)
-                                if (mp := meta.get(p)) is not None:
-                                    self._file(p, mp)
-                    out.append(k)
-                    metas.append(m)
-                    parents.append(p)
-                    if len(out) == n:
-                        break
+        while len(out) < n and heap:
+            _, start, s = heapq.heappop(heap)
+            if top[s] != start:
+                continue  # superseded by a later entry of this state
+            top[s] = -1
+            q = queues[s]
+            bound = heap[0][0] if heap else float("inf")  # the next queue's head (or less)
+            while q:
+                e = q[-1]
+                k, m = e
+                if meta.get(k) != m:
+                    q.pop()
+                    stale += 1
+                    continue  # stale: the key moved on or left
+                st = m >> START_SHIFT
+                if st != start:  # a younger entry (or a parent queued again): its density
+                    age = (now - st) // w
+                    if dens[s][age if age < last else last] > bound:
+                        break  # another queue's head goes first
+                    start = st
                 if len(out) == n:
                     break
-                i += 1
+                q.pop()
+                if k in kids:
+                    waiting.add(k)
+                    continue
+                if check and not evictable(k):
+                    held.append((q, e))
+                    continue
+                del meta[k]
+                p = parent.pop(k, None)
+                if p is not None:
+                    left = kids[p] - 1
+                    if left:
+                        kids[p] = left
+                    else:
+                        del kids[p]
+                        if p in waiting:  # its last child left: first in line again
+                            waiting.discard(p)
+                            if (mp := meta.get(p)) is not None:
+                                self._requeue(p, mp)
+                out.append(k)
+                metas.append(m)
+                parents.append(p)
+            if q:  # this state's entry, from its (live) head
+                st = q[-1][1] >> START_SHIFT
+                if top[s] < 0 or st < top[s]:
+                    self._push(s, st)
         self._stale -= stale
         if len(out) < n:  # only parents of resident keys left (links out of date): take them
             for k in list(waiting):
@@ -376,8 +407,8 @@ class HitDensity(EvictionPolicy[K]):
                     metas.append(meta.pop(k))
                     parents.append(self._unlink(k))
                     out.append(k)
-        for q, k in held:
-            q.appendleft(k)
+        for q, e in reversed(held):
+            q.append(e)
         if len(out) < n:  # put everything back as it was
             for k, m, p in zip(out, metas, parents, strict=True):
                 meta[k] = m
@@ -385,23 +416,31 @@ class HitDensity(EvictionPolicy[K]):
                     self._link(k, p)
             self._compact()
             return None
+        if held:
+            self._rebuild()
         if self._upper is None:
-            ghost = self._ghost
-            ghost.update(zip(out, metas, strict=True))
-            if len(ghost) > self._ghost_cap:
-                self._trim_ghost()
+            self._remember(out, metas)
+        if self._passes_down:
+            self._passed = dict(zip(out, metas, strict=True))
         if self._stale > len(meta) + 1024:
             self._compact()
         return out
 
-    def _trim_ghost(self) -> None:
-        """Forget the oldest evicted keys beyond ``ghost_factor`` x capacity: censored lives."""
-        ghost = self._ghost
+    def _remember(self, out: list[K], metas: list[int]) -> None:
+        """Keep evicted keys' metas (a return ends their open life); forget the oldest beyond
+        ``ghost_factor`` x capacity: censored lives."""
+        ghost, gone = self._ghost, self._gone
+        ghost.update(zip(out, metas, strict=True))
+        gone.extend(zip(out, metas, strict=True))
+        if len(ghost) <= self._ghost_cap:
+            return
         table, now = self._table, self._now
-        drop = len(ghost) - self._ghost_cap
         last, run = -1, 0
-        for k in list(islice(ghost, drop)):
-            m = ghost.pop(k)
+        while len(ghost) > self._ghost_cap:
+            k, m = gone.popleft()
+            if ghost.get(k) != m:
+                continue  # it came back since
+            del ghost[k]
             if m != last:  # keys evicted together share their meta: one call per run
                 if run:
                     table.censor(last & STATE_MASK, last >> START_SHIFT, now, run)
@@ -411,29 +450,28 @@ class HitDensity(EvictionPolicy[K]):
             table.censor(last & STATE_MASK, last >> START_SHIFT, now, run)
 
     def _compact(self) -> None:
-        """Rebuild the cohorts from the resident keys (drops every stale entry)."""
-        w = self._c
-        fresh: dict[int, deque[K]] = {}
-        for k, m in self._meta.items():
-            cid = (m >> START_SHIFT) // w << STATE_BITS | (m & STATE_MASK)
-            q = fresh.get(cid)
-            if q is None:
-                q = fresh[cid] = deque()
-            q.appendleft(k)  # the oldest at the eviction end (a parent first waits for its child)
-        self._cohorts = fresh
-        self._waiting.clear()
+        """Drop every stale entry from the queues (order kept) and rebuild the heap."""
+        meta = self._meta
+        self._queues = [deque(e for e in q if meta.get(e[0]) == e[1]) for q in self._queues]
         self._stale = 0
-        self._rank()
+        self._rebuild()
 
     # -- hierarchy -----------------------------------------------------------------------------
     def feed_by_demotion(self, upper: EvictionPolicy[K] | None = None) -> None:
-        """Rank demoted blocks with ``upper``'s table, by the state and age they had there."""
+        """Rank demoted blocks with the top tier's table, by the state and age they had there
+        (the tier above passes each victim's meta down). The top tier's ghost grows to remember
+        as many keys as the whole hierarchy holds, so a return from any tier is learned as a use
+        at its true age."""
         if isinstance(upper, HitDensity):
-            self._upper = upper
-            self._table = upper._table
-            self._w = upper._w
-            self._c = upper._c
-            self._names = upper._names
+            root = upper._root
+            self._upper, self._root = upper, root
+            self._table, self._w, self._names = root._table, root._w, root._names
+            self._dens = root._dens
+            upper._passes_down = True
+            root._below += self.capacity
+            root._ghost_cap = max(
+                root._ghost_cap, int(self.ghost_factor * root.capacity) + root._below
+            )
         else:
             self._upper = self  # no table above: every block one state, oldest first
 
@@ -441,31 +479,31 @@ class HitDensity(EvictionPolicy[K]):
         upper = self._upper
         assert upper is not None
         meta = self._meta
-        ghost = upper._ghost if upper is not self else {}
-        now = upper._now
+        passed = upper._passed if upper is not self else {}
+        now = self._root._now
+        self._now = now
+        self._dens = self._root._dens
         opened: list[tuple[int, K]] = []
         prev: K | None = None
         for k in keys:
             if k in meta:
                 prev = k
                 continue
-            m = ghost.get(k, now << START_SHIFT)
+            m = passed.get(k, now << START_SHIFT)
             meta[k] = m
             if prev is not None:
                 self._link(k, prev)
             opened.append((m, k))
             prev = k
-        w = self._c
-        for m, k in reversed(opened):  # leaf first, each to the newest end of its cohort
-            sb = (m >> START_SHIFT) // w
-            cid = sb << STATE_BITS | (m & STATE_MASK)
-            q = self._cohorts.get(cid)
-            if q is None:
-                q = self._cohorts[cid] = deque()
-            q.appendleft(k)
-        if opened:
-            self._now = now
-            self._rank()
+        queues, top = self._queues, self._top
+        for m, k in reversed(opened):  # leaf first, each at the newest end of its queue
+            s = m & STATE_MASK
+            while len(queues) <= s:  # the upper tier's states, as they come
+                queues.append(deque())
+                top.append(-1)
+            queues[s].appendleft((k, m))
+            if top[s] < 0:
+                self._push(s, m >> START_SHIFT)
 
     # -- introspection -------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -484,7 +522,7 @@ class HitDensity(EvictionPolicy[K]):
                     "state": repr(self._names[s]),
                     "resident": counts[s],
                     "hazard_first_bucket": round(float(haz[s][0]), 4) if s < len(haz) else 0.0,
-                    "density_age0": round(float(self._table.density[s, 0]), 6),
+                    "density_age0": round(self._dens[s][0], 6),
                 }
                 for s in top
             ]

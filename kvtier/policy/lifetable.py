@@ -73,8 +73,6 @@ class LifeTable:
         self._cur = 0  # current start bucket (clock // width) as of the last ``tick``
         #: hit density by [state, age bucket] (``refit``); all zero until the first refit
         self.density: npt.NDArray[np.float64] = np.zeros((0, k))
-        #: ``density[:, 0]`` as a list (a new cohort's, looked up per insert)
-        self.young: list[float] = []
         self.hazard: npt.NDArray[np.float64] = np.zeros((0, k))
 
     # -- bookkeeping -----------------------------------------------------------------------
@@ -85,7 +83,6 @@ class LifeTable:
         grown = np.zeros((states, self.buckets))
         grown[: self._n] = self.density[: self._n]
         self.density = grown
-        self.young = grown[:, 0].tolist()
         self._n = states
         rows = len(self._ev)
         if states <= rows:
@@ -109,12 +106,13 @@ class LifeTable:
         if b == self._cur:
             return False
         ring = self._ring
-        for sb in range(max(self._cur + 1, b - ring + 1), b + 1):
-            slot = sb % ring  # held start bucket sb - ring until now: those lives are old
-            col = self._open[:, slot]
-            self._old += col
-            self._old_sb += col * (sb - ring)
-            col[:] = 0.0
+        # slot sb % ring held start bucket sb - ring until now: those lives are old
+        sbs = np.arange(max(self._cur + 1, b - ring + 1), b + 1)
+        slots = sbs % ring
+        cols = self._open[:, slots]
+        self._old += cols.sum(axis=1)
+        self._old_sb += cols @ (sbs - ring).astype(np.float64)
+        self._open[:, slots] = 0.0
         self._cur = b
         if now - self._base > self.REBASE * self.tau:
             self._rebase(now)
@@ -198,7 +196,6 @@ class LifeTable:
         surv, held = _windows(h, steps)
         hits = 1.0 - surv
         self.density = hits / np.maximum(held, 1e-12)
-        self.young = self.density[:, 0].tolist()
 
 
 def _smoothed(
