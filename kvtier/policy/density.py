@@ -344,6 +344,7 @@ class HitDensity(EvictionPolicy[K]):
         metas: list[int] = []
         parents: list[K | None] = []
         held: list[tuple[deque[Entry], Entry]] = []
+        parked: list[Entry] = []  # keys sent to wait by this call (restored on failure)
         parent, kids, waiting = self._parent, self._kids, self._waiting
         check = evictable is not always
         heap, top, queues, dens = self._heap, self._top, self._queues, self._dens
@@ -374,6 +375,7 @@ class HitDensity(EvictionPolicy[K]):
                 q.pop()
                 if k in kids:
                     waiting.add(k)
+                    parked.append(e)
                     continue
                 if check and not evictable(k):
                     held.append((q, e))
@@ -398,6 +400,7 @@ class HitDensity(EvictionPolicy[K]):
                 if top[s] < 0 or st < top[s]:
                     self._push(s, st)
         self._stale -= stale
+        queued = len(out)  # victims taken from the queues (the rest from the waiting set)
         if len(out) < n:  # only parents of resident keys left (links out of date): take them
             for k in list(waiting):
                 if len(out) == n:
@@ -410,11 +413,7 @@ class HitDensity(EvictionPolicy[K]):
         for q, e in reversed(held):
             q.append(e)
         if len(out) < n:  # put everything back as it was
-            for k, m, p in zip(out, metas, parents, strict=True):
-                meta[k] = m
-                if p is not None:
-                    self._link(k, p)
-            self._compact()
+            self._restore(out, metas, parents, queued, parked)
             return None
         if held:
             self._rebuild()
@@ -425,6 +424,34 @@ class HitDensity(EvictionPolicy[K]):
         if self._stale > len(meta) + 1024:
             self._compact()
         return out
+
+    def _restore(
+        self,
+        out: list[K],
+        metas: list[int],
+        parents: list[K | None],
+        queued: int,
+        parked: list[Entry],
+    ) -> None:
+        """Undo a failed ``evict``: victims resident again (the first ``queued`` back in their
+        queues, the rest waiting again), keys it sent to wait queued again; queues re-sorted by
+        last use (restored entries first among equals), heap rebuilt."""
+        meta, waiting = self._meta, self._waiting
+        for k, m, p in zip(out, metas, parents, strict=True):
+            meta[k] = m
+            if p is not None:
+                self._link(k, p)
+        waiting.update(out[queued:])
+        back = list(zip(out[:queued], metas[:queued], strict=True)) + parked
+        waiting.difference_update(k for k, _ in back)
+        by_state: dict[int, list[Entry]] = {}
+        for e in back:
+            by_state.setdefault(e[1] & STATE_MASK, []).append(e)
+        for s, entries in by_state.items():
+            live = [e for e in self._queues[s] if meta.get(e[0]) == e[1]] + entries
+            live.sort(key=lambda e: -(e[1] >> START_SHIFT))  # stable: newest at the left
+            self._queues[s] = deque(live)
+        self._compact()
 
     def _remember(self, out: list[K], metas: list[int]) -> None:
         """Keep evicted keys' metas (a return ends their open life); forget the oldest beyond

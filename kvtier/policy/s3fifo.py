@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable, Sequence
+from itertools import islice
 from typing import Any, ClassVar
 
 from kvtier.policy.admission import COLD, HOT, ReuseClasses
@@ -119,14 +120,12 @@ class S3FIFO(EvictionPolicy[K]):
         # chain (the tail) have a class each, the rest (the body) share one
         cids = self._ids_by_hint.get(hint) or self._class_ids(hint)
         fresh = max(self._drops - self._ghost_cap + 1, 1) << GHOST_SHIFT  # _ghost_floor()
-        body_label = cids[TAIL_CLASSES] << LABEL_SHIFT
-        body: list[K] = []  # placed after the loop, together
-        add_body = body.append
-        place = 0  # of the next new key, from the leaf end; TAIL_CLASSES once past a resident key
-        tail = TAIL_CLASSES
-        front: list[K] = []
         main = self._main
-        for k in reversed(keys) if self.leaf_first else keys:
+        front: list[K] = []
+        walk = reversed(keys) if self.leaf_first else iter(keys)
+        # the tail: the first new keys walked (the leaf end), up to TAIL_CLASSES, until a known key
+        # (the keys before a resident or ghost key are not a new tail)
+        for place, k in enumerate(walk):
             f = freq.get(k)
             if f is not None:
                 if f < MAX_FREQ:
@@ -134,23 +133,16 @@ class S3FIFO(EvictionPolicy[K]):
                 elif f > MAX_FREQ:  # labelled: its first reuse
                     reuses[f >> LABEL_SHIFT] += 1.0
                     freq[k] = 1
-                place = tail  # the keys before a resident key are not a new tail
-                continue
+                break
             if (g := ghost.pop(k, 0)) >= fresh:  # a ghost hit
                 if c := g & LABELS:
                     reuses[c] += 1.0
                 main[k] = None
                 freq[k] = 0
-                place = tail
-                continue
+                break
             if up and (c := up.pop(k, 0)):  # back from a lower tier: a reuse
                 reuses[c] += 1.0
-            if place == tail:
-                freq[k] = body_label
-                add_body(k)
-                continue
             c = cids[place]
-            place += 1
             freq[k] = c << LABEL_SHIFT
             verdict = admit(c, 1)
             if verdict == COLD:
@@ -159,6 +151,32 @@ class S3FIFO(EvictionPolicy[K]):
                 main[k] = None  # skips probation: it will likely be asked for again
             else:
                 small[k] = None
+            if place == TAIL_CLASSES - 1:
+                break
+        # the body: the same per key, without places (the loop most keys go through)
+        max_freq = MAX_FREQ
+        body_label = cids[TAIL_CLASSES] << LABEL_SHIFT
+        body: list[K] = []  # placed after the loop, together
+        add_body = body.append
+        for k in walk:
+            f = freq.get(k)
+            if f is not None:
+                if f < max_freq:
+                    freq[k] = f + 1
+                elif f > max_freq:
+                    reuses[f >> LABEL_SHIFT] += 1.0
+                    freq[k] = 1
+                continue
+            if (g := ghost.pop(k, 0)) >= fresh:
+                if c := g & LABELS:
+                    reuses[c] += 1.0
+                main[k] = None
+                freq[k] = 0
+                continue
+            if up and (c := up.pop(k, 0)):
+                reuses[c] += 1.0
+            freq[k] = body_label
+            add_body(k)
         if body:
             verdict = admit(cids[TAIL_CLASSES], len(body))
             if verdict == COLD:
@@ -332,7 +350,12 @@ class S3FIFO(EvictionPolicy[K]):
         return victims
 
     def _evict_unpinned(self, n: int) -> list[K]:
-        """``evict`` when nothing is pinned (``n <= len(self)``): no rotations, no restore."""
+        """``evict`` when nothing is pinned (``n <= len(self)``): no rotations, no restore.
+
+        ``main`` is read in passes: one iterator walks it from the front, lowering the counters
+        of hit keys and taking unhit ones, and the queue is updated after the walk (victims out,
+        hit keys to the back in the order met) -- the order one key at a time would give, as a
+        key moved to the back is not met again before the rest of the queue."""
         small, cold, main, ghost = self._small, self._cold, self._main, self._ghost
         freq = self._freq
         small_cap = self._small_cap
@@ -343,35 +366,72 @@ class S3FIFO(EvictionPolicy[K]):
         append = victims.append
         while n:
             if ns and (ns >= small_cap or not nm):
-                if nc:
+                if nc:  # probation's cold keys first, newest first (a stack)
                     k, _ = cold.popitem()
                     nc -= 1
-                else:
-                    k, _ = small.popitem(last=False)
-                ns -= 1
-                f = freq[k]
-                if f & HITS:
-                    freq[k] = 0
+                    ns -= 1
+                    f = freq[k]
+                    if f & HITS:
+                        freq[k] = 0
+                        main[k] = None
+                        nm += 1
+                        continue
+                    del freq[k]
+                    drops += 1
+                    ghost[k] = drops << GHOST_SHIFT | f >> LABEL_SHIFT
+                    append(k)
+                    if passes_down and f:
+                        self._dropped(k, f)
+                    n -= 1
+                    continue
+                # probation from the front, while over its share (else one key: main is empty)
+                first = len(victims)
+                promoted: list[K] = []
+                for k in islice(small, ns - small_cap + 1 if ns >= small_cap else 1):
+                    f = freq[k]
+                    if f & HITS:
+                        freq[k] = 0
+                        promoted.append(k)
+                        continue
+                    del freq[k]
+                    drops += 1
+                    ghost[k] = drops << GHOST_SHIFT | f >> LABEL_SHIFT
+                    append(k)
+                    if passes_down and f:
+                        self._dropped(k, f)
+                    n -= 1
+                    if not n:
+                        break
+                for k in promoted:
+                    del small[k]
                     main[k] = None
-                    nm += 1
-                    continue
-                del freq[k]
-                drops += 1
-                ghost[k] = drops << GHOST_SHIFT | f >> LABEL_SHIFT
-            else:
-                k = next(iter(main))
+                for k in victims[first:]:
+                    del small[k]
+                ns -= len(promoted) + len(victims) - first
+                nm += len(promoted)
+                continue
+            # main (probation is within its share, or empty): until n victims or a full pass
+            first = len(victims)
+            again: list[K] = []
+            for k in main:
                 f = freq[k]
-                if f & HITS:  # another round (moved in place: half the cost of pop + set)
+                if f & HITS:  # another round (moved after the pass)
                     freq[k] = f - 1
-                    main.move_to_end(k)
+                    again.append(k)
                     continue
+                append(k)
+                n -= 1
+                if not n:
+                    break
+            for k in victims[first:]:
                 del main[k]
-                del freq[k]
-                nm -= 1
-            append(k)
-            if passes_down and f:
-                self._dropped(k, f)
-            n -= 1
+                f = freq.pop(k)
+                if passes_down and f:
+                    self._dropped(k, f)
+            nm -= len(victims) - first
+            move = main.move_to_end
+            for k in again:
+                move(k)
         self._drops = drops
         if len(ghost) > 2 * self._ghost_cap:
             self._trim_ghost()

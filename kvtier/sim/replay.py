@@ -265,32 +265,31 @@ def _serve_one_tier(
     policy itself (``EvictionPolicy.resident``) instead of a key -> tier map. Fills ``hits``
     (by request), ``written[0]`` and ``evicted[0]``; returns the block hits."""
     resident = pol.resident()
+    is_resident = resident.__contains__
     insert, evict = pol.insert, pol.evict
     block_hits = n_written = n_evicted = 0
     for i, req, chain in requests:
         blocks = req.blocks
         n = len(blocks)
-        run = 0
-        for k in chain:
-            if k not in resident:
-                break
-            run += 1
-        n_chain = len(chain)
-        if run == n_chain:
-            n_new = 0
+        # residency of the chain's blocks, read in one C-level pass: the leading run of
+        # resident blocks, and the new blocks (the missing ones, all after the run)
+        present = list(map(is_resident, chain))
+        n_new = present.count(False)
+        if n_new:
+            run = present.index(False)
+        else:
+            run = n_chain = len(chain)
             for k in blocks[n_chain:]:  # beyond the tier's size: counted, not kept
                 if k not in resident:
                     break
                 run += 1
-        else:
-            n_new = len([k for k in chain[run:] if k not in resident])
         hits[i] = bt * run + (req.input_length - bt * n if run == n and n else 0)
         block_hits += run
         hint = output_class(req.output_length, run > 0) if hints else None
         if n_new:
             need = len(pol) + n_new - cap
             if need > 0:
-                victims = evict(need, _not_in(chain) if n_new < n_chain else always)
+                victims = evict(need, _not_in(chain) if n_new < len(chain) else always)
                 assert victims is not None, "policy refused to evict unpinned blocks"
                 n_evicted += len(victims)
             n_written += n_new
