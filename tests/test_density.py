@@ -178,3 +178,17 @@ def test_per_request_hints_use_up_states_not_memory() -> None:
             assert pol.evict(len(pol) - 90, always) is not None
     assert len(pol._names) <= HitDensity.max_states
     assert pol._table.density.shape[0] <= 2 * HitDensity.max_states
+
+
+def test_a_failed_evict_keeps_every_key_evictable() -> None:
+    """An eviction that cannot be met (too much pinned) changes nothing: the same keys can be
+    evicted afterwards, down to the last one."""
+    pol: HitDensity[int] = HitDensity(6)
+    pol.insert([0])
+    pol.insert([1, 2, 3, 4])
+    assert pol.evict(5, lambda k: k != 1) is None
+    assert len(pol) == 5
+    victims = pol.evict(2, lambda k: k != 1)
+    assert victims is not None and len(victims) == 2 and 1 not in victims
+    rest = pol.evict(3, always)
+    assert rest is not None and set(victims) | set(rest) == {0, 1, 2, 3, 4}
