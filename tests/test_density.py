@@ -176,7 +176,7 @@ def test_per_request_hints_use_up_states_not_memory() -> None:
         pol.insert([3 * i, 3 * i + 1, 3 * i + 2], f"request-{i}")
         if len(pol) > 90:
             assert pol.evict(len(pol) - 90, always) is not None
-    assert len(pol._names) <= HitDensity.max_states
+    assert len(pol._states.names) <= HitDensity.max_states
     assert pol._table.density.shape[0] <= 2 * HitDensity.max_states
 
 

@@ -1,12 +1,9 @@
 """Hit-density eviction (LHD, Beckmann et al., NSDI'18), prefix-aware, learned online.
 
-Every resident block has a *state*, set at its last use, and an *age* (time since then):
-
-* a block a request brought in: the request's class (the caller's ``hint``, e.g.
-  ``output_class``) and its place among the request's new blocks (the last ``TAIL_CLASSES``
-  have their own, the rest share one: a request's last block is often partial, so the next
-  request's differs);
-* a block used again (a hit, or a request for it after it was evicted): its use count, capped.
+Every resident block has a *state*, set at its last use (``kvtier.policy.lifestates``: for a
+block a request brought in, the request's class -- the caller's ``hint``, e.g. ``output_class``
+-- and its place among the request's new blocks; for a block used again, its use count, capped),
+and an *age* (time since then).
 
 A ``LifeTable`` learns per state and age how likely a next use is and how soon, weighting recent
 observations most, and gives each (state, age) a *hit density*: the chance of a use within the
@@ -34,24 +31,23 @@ them with this policy's table, by the state and age each victim had here.
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Hashable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
 from kvtier.policy.base import EvictionPolicy, K, always
+from kvtier.policy.lifestates import (
+    MAX_USE_COUNT,
+    START_SHIFT,
+    STATE_MASK,
+    TAIL_CLASSES,
+    USES_SHIFT,
+    Ghost,
+    LifeStates,
+)
 from kvtier.policy.lifetable import LifeTable
-
-#: the last new keys of a request that get a state of their own (place 0 = the leaf)
-TAIL_CLASSES = 3
-#: a key's metadata is one int: start << START_SHIFT | uses << USES_SHIFT | state
-STATE_BITS = 12
-MAX_STATES = 1 << STATE_BITS
-USES_SHIFT = STATE_BITS
-START_SHIFT = STATE_BITS + 8
-STATE_MASK = MAX_STATES - 1
-MAX_USE_COUNT = 255
 
 Entry = tuple[Any, int]  # a queued key and the meta it was queued with (stale once it changed)
 
@@ -98,9 +94,7 @@ class HitDensity(EvictionPolicy[K]):
         self._next_refit = self._refit_every
         self._epoch = 0  # bumped whenever densities or age buckets moved (lower tiers follow)
         self._meta: dict[K, int] = {}  # resident key -> start, uses, state (one int)
-        self._ghost: dict[K, int] = {}  # evicted key -> its meta
-        self._gone: deque[Entry] = deque()  # evicted keys and metas, oldest first
-        self._ghost_cap = max(1, int(cap * self.ghost_factor))
+        self._ghost: Ghost[K] = Ghost(int(cap * self.ghost_factor), self._table)
         self._parent: dict[K, K] = {}  # resident key -> its parent (keys inserted together)
         self._kids: dict[K, int] = {}  # resident key -> resident children
         # parents met by an eviction while their children stayed: out of their queue until
@@ -111,56 +105,28 @@ class HitDensity(EvictionPolicy[K]):
         self._heap: list[tuple[float, int, int]] = []  # (density, start, state) of queue heads
         self._top: list[int] = []  # per state: the start of its live heap entry (-1: none)
         self._stale = 0  # queue entries that no longer hold their key
-        self._states: dict[Hashable, int] = {}
-        self._names: list[Hashable] = []
-        self._new_ids: dict[Hashable, list[int]] = {}
         self._upper: HitDensity[K] | None = None  # the tier above, when fed by its demotions
         self._root: HitDensity[K] = self  # the top tier (its table, clock and ghost)
         self._below = 0  # blocks the tiers below hold (the top tier's ghost covers them)
         self._passes_down = False  # a tier below takes this one's victims (and their metas)
         self._passed: dict[K, int] = {}  # the last victims' metas, for the tier below
         self._last_root: K | None = None  # the last insert's first key, if it has no parent
-        self._state(("unlabelled",))  # state 0: the catch-all
-        self._steps = self._use_steps()
+        self._states = LifeStates(self.max_states, self.max_uses, self._grow)
 
-    # -- states ------------------------------------------------------------------------------
-    def _state(self, name: Hashable) -> int:
-        s = self._states.get(name)
-        if s is None:
-            if len(self._names) >= self.max_states:
-                return 0  # out of room: the catch-all state (state 0, "unlabelled")
-            s = self._states[name] = len(self._names)
-            self._names.append(name)
-            self._table.grow(len(self._names))
+    def _grow(self, states: int) -> None:
+        """Room for states ``0 .. states - 1``: table rows, queues, densities."""
+        self._table.grow(states)
+        while len(self._queues) < states:
             self._queues.append(deque())
             self._dens.append([0.0] * self.buckets)
             self._top.append(-1)
-        return s
-
-    def _new_states(self, hint: Hashable | None) -> list[int]:
-        ids = self._new_ids.get(hint)
-        if ids is None:
-            ids = [self._state(("new", hint, p)) for p in range(TAIL_CLASSES + 1)]
-            if len(self._new_ids) < self.max_states:
-                self._new_ids[hint] = ids
-        return ids
-
-    def _use_steps(self) -> list[int]:
-        """By a key's use count so far: its next use count and state, as they sit in its meta
-        (``uses << USES_SHIFT | state``; a reused key's state is its use count, capped)."""
-        ids = [self._state(("used", u)) for u in range(self.max_uses + 1)]
-        out = []
-        for u in range(MAX_USE_COUNT + 1):
-            nxt = min(u + 1, self.max_uses)
-            out.append(nxt << USES_SHIFT | ids[min(u, self.max_uses)])
-        return out
 
     # -- uses ----------------------------------------------------------------------------------
     def insert(self, keys: Sequence[K], hint: Hashable | None = None) -> None:
         if self._upper is not None:
             self._insert_victims(keys)
             return
-        n_new = self._use(keys, self._new_states(hint))
+        n_new = self._use(keys, self._states.new(hint))
         if n_new:
             self._advance(n_new)
 
@@ -183,10 +149,10 @@ class HitDensity(EvictionPolicy[K]):
         a new one starts; with ``new_ids`` (an insert) unknown keys become resident in the new
         state of their place, else they are ignored. Keys are queued leaf first. Returns the
         number of keys that became resident."""
-        meta, ghost = self._meta, self._ghost
+        meta, ghost = self._meta, self._ghost.metas
         table, queues, top = self._table, self._queues, self._top
         parent, kids = self._parent, self._kids
-        steps = self._steps
+        steps = self._states.steps
         now = self._now
         stamp = now << START_SHIFT
         place = n_new = filed = 0
@@ -345,7 +311,7 @@ class HitDensity(EvictionPolicy[K]):
         parents: list[K | None] = []
         held: list[tuple[deque[Entry], Entry]] = []
         parked: list[Entry] = []  # keys sent to wait by this call (restored on failure)
-        parent, kids, waiting = self._parent, self._kids, self._waiting
+        kids, waiting, unlink = self._kids, self._waiting, self._unlink
         check = evictable is not always
         heap, top, queues, dens = self._heap, self._top, self._queues, self._dens
         w, last, now = self._w, self.buckets - 1, self._now
@@ -381,20 +347,9 @@ class HitDensity(EvictionPolicy[K]):
                     held.append((q, e))
                     continue
                 del meta[k]
-                p = parent.pop(k, None)
-                if p is not None:
-                    left = kids[p] - 1
-                    if left:
-                        kids[p] = left
-                    else:
-                        del kids[p]
-                        if p in waiting:  # its last child left: first in line again
-                            waiting.discard(p)
-                            if (mp := meta.get(p)) is not None:
-                                self._requeue(p, mp)
                 out.append(k)
                 metas.append(m)
-                parents.append(p)
+                parents.append(unlink(k))  # (a parent whose last child this was: requeued)
             if q:  # this state's entry, from its (live) head
                 st = q[-1][1] >> START_SHIFT
                 if top[s] < 0 or st < top[s]:
@@ -418,7 +373,7 @@ class HitDensity(EvictionPolicy[K]):
         if held:
             self._rebuild()
         if self._upper is None:
-            self._remember(out, metas)
+            self._ghost.remember(out, metas, self._now)
         if self._passes_down:
             self._passed = dict(zip(out, metas, strict=True))
         if self._stale > len(meta) + 1024:
@@ -453,29 +408,6 @@ class HitDensity(EvictionPolicy[K]):
             self._queues[s] = deque(live)
         self._compact()
 
-    def _remember(self, out: list[K], metas: list[int]) -> None:
-        """Keep evicted keys' metas (a return ends their open life); forget the oldest beyond
-        ``ghost_factor`` x capacity: censored lives."""
-        ghost, gone = self._ghost, self._gone
-        ghost.update(zip(out, metas, strict=True))
-        gone.extend(zip(out, metas, strict=True))
-        if len(ghost) <= self._ghost_cap:
-            return
-        table, now = self._table, self._now
-        last, run = -1, 0
-        while len(ghost) > self._ghost_cap:
-            k, m = gone.popleft()
-            if ghost.get(k) != m:
-                continue  # it came back since
-            del ghost[k]
-            if m != last:  # keys evicted together share their meta: one call per run
-                if run:
-                    table.censor(last & STATE_MASK, last >> START_SHIFT, now, run)
-                last, run = m, 0
-            run += 1
-        if run:
-            table.censor(last & STATE_MASK, last >> START_SHIFT, now, run)
-
     def _compact(self) -> None:
         """Drop every stale entry from the queues (order kept) and rebuild the heap."""
         meta = self._meta
@@ -492,12 +424,12 @@ class HitDensity(EvictionPolicy[K]):
         if isinstance(upper, HitDensity):
             root = upper._root
             self._upper, self._root = upper, root
-            self._table, self._w, self._names = root._table, root._w, root._names
+            self._table, self._w, self._states = root._table, root._w, root._states
             self._dens = root._dens
             upper._passes_down = True
             root._below += self.capacity
-            root._ghost_cap = max(
-                root._ghost_cap, int(self.ghost_factor * root.capacity) + root._below
+            root._ghost.cap = max(
+                root._ghost.cap, int(self.ghost_factor * root.capacity) + root._below
             )
         else:
             self._upper = self  # no table above: every block one state, oldest first
@@ -537,21 +469,17 @@ class HitDensity(EvictionPolicy[K]):
         """Resident and remembered keys, and the learned states with the most resident keys:
         the state, its hazard of a use in the first age bucket, its density at age 0."""
         out: dict[str, Any] = {"resident": len(self._meta), "ghost": len(self._ghost)}
-        if self._upper is None and self._names:
-            counts: dict[int, int] = {}
-            for m in self._meta.values():
-                s = m & STATE_MASK
-                counts[s] = counts.get(s, 0) + 1
-            top = sorted(counts, key=lambda s: -counts[s])[:16]
+        if self._upper is None:
+            counts = Counter(m & STATE_MASK for m in self._meta.values())
             haz = self._table.hazard
             out["states"] = [
                 {
-                    "state": repr(self._names[s]),
+                    "state": repr(self._states.names[s]),
                     "resident": counts[s],
                     "hazard_first_bucket": round(float(haz[s][0]), 4) if s < len(haz) else 0.0,
                     "density_age0": round(self._dens[s][0], 6),
                 }
-                for s in top
+                for s, _ in counts.most_common(16)
             ]
         return out
 
