@@ -366,28 +366,12 @@ class S3FIFO(EvictionPolicy[K]):
         append = victims.append
         while n:
             if ns and (ns >= small_cap or not nm):
-                if nc:  # probation's cold keys first, newest first (a stack)
-                    k, _ = cold.popitem()
-                    nc -= 1
-                    ns -= 1
-                    f = freq[k]
-                    if f & HITS:
-                        freq[k] = 0
-                        main[k] = None
-                        nm += 1
-                        continue
-                    del freq[k]
-                    drops += 1
-                    ghost[k] = drops << GHOST_SHIFT | f >> LABEL_SHIFT
-                    append(k)
-                    if passes_down and f:
-                        self._dropped(k, f)
-                    n -= 1
-                    continue
-                # probation from the front, while over its share (else one key: main is empty)
+                # probation while over its share (else one key: main is empty): its cold keys
+                # first, newest first (a stack), then the rest from the front
+                queue, keys = (cold, reversed(cold)) if nc else (small, iter(small))
                 first = len(victims)
                 promoted: list[K] = []
-                for k in islice(small, ns - small_cap + 1 if ns >= small_cap else 1):
+                for k in islice(keys, ns - small_cap + 1 if ns >= small_cap else 1):
                     f = freq[k]
                     if f & HITS:
                         freq[k] = 0
@@ -403,11 +387,13 @@ class S3FIFO(EvictionPolicy[K]):
                     if not n:
                         break
                 for k in promoted:
-                    del small[k]
+                    del queue[k]
                     main[k] = None
                 for k in victims[first:]:
-                    del small[k]
-                ns -= len(promoted) + len(victims) - first
+                    del queue[k]
+                left = len(promoted) + len(victims) - first
+                ns -= left
+                nc -= left if nc else 0
                 nm += len(promoted)
                 continue
             # main (probation is within its share, or empty): until n victims or a full pass
