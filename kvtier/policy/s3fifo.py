@@ -120,12 +120,14 @@ class S3FIFO(EvictionPolicy[K]):
         # chain (the tail) have a class each, the rest (the body) share one
         cids = self._ids_by_hint.get(hint) or self._class_ids(hint)
         fresh = max(self._drops - self._ghost_cap + 1, 1) << GHOST_SHIFT  # _ghost_floor()
-        main = self._main
+        body_label = cids[TAIL_CLASSES] << LABEL_SHIFT
+        body: list[K] = []  # placed after the loop, together
+        add_body = body.append
+        place = 0  # of the next new key, from the leaf end; TAIL_CLASSES once past a resident key
+        tail = TAIL_CLASSES
         front: list[K] = []
-        walk = reversed(keys) if self.leaf_first else iter(keys)
-        # the tail: the first new keys walked (the leaf end), up to TAIL_CLASSES, until a known key
-        # (the keys before a resident or ghost key are not a new tail)
-        for place, k in enumerate(walk):
+        main = self._main
+        for k in reversed(keys) if self.leaf_first else keys:
             f = freq.get(k)
             if f is not None:
                 if f < MAX_FREQ:
@@ -133,16 +135,23 @@ class S3FIFO(EvictionPolicy[K]):
                 elif f > MAX_FREQ:  # labelled: its first reuse
                     reuses[f >> LABEL_SHIFT] += 1.0
                     freq[k] = 1
-                break
+                place = tail  # the keys before a resident key are not a new tail
+                continue
             if (g := ghost.pop(k, 0)) >= fresh:  # a ghost hit
                 if c := g & LABELS:
                     reuses[c] += 1.0
                 main[k] = None
                 freq[k] = 0
-                break
+                place = tail
+                continue
             if up and (c := up.pop(k, 0)):  # back from a lower tier: a reuse
                 reuses[c] += 1.0
+            if place == tail:
+                freq[k] = body_label
+                add_body(k)
+                continue
             c = cids[place]
+            place += 1
             freq[k] = c << LABEL_SHIFT
             verdict = admit(c, 1)
             if verdict == COLD:
@@ -151,32 +160,6 @@ class S3FIFO(EvictionPolicy[K]):
                 main[k] = None  # skips probation: it will likely be asked for again
             else:
                 small[k] = None
-            if place == TAIL_CLASSES - 1:
-                break
-        # the body: the same per key, without places (the loop most keys go through)
-        max_freq = MAX_FREQ
-        body_label = cids[TAIL_CLASSES] << LABEL_SHIFT
-        body: list[K] = []  # placed after the loop, together
-        add_body = body.append
-        for k in walk:
-            f = freq.get(k)
-            if f is not None:
-                if f < max_freq:
-                    freq[k] = f + 1
-                elif f > max_freq:
-                    reuses[f >> LABEL_SHIFT] += 1.0
-                    freq[k] = 1
-                continue
-            if (g := ghost.pop(k, 0)) >= fresh:
-                if c := g & LABELS:
-                    reuses[c] += 1.0
-                main[k] = None
-                freq[k] = 0
-                continue
-            if up and (c := up.pop(k, 0)):
-                reuses[c] += 1.0
-            freq[k] = body_label
-            add_body(k)
         if body:
             verdict = admit(cids[TAIL_CLASSES], len(body))
             if verdict == COLD:
