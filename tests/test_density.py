@@ -166,6 +166,11 @@ def test_store_runs_on_the_density_policy() -> None:
         stats = st.stats()
         assert stats["store"]["evictions"] >= 10
         assert stats["policies"]["host"]["resident"] <= 8
+        states = stats["policies"]["host"]["states"]  # what it learned, most resident first
+        assert states and sum(s["resident"] for s in states) <= 8
+        assert [s["resident"] for s in states] == sorted(
+            (s["resident"] for s in states), reverse=True
+        )
 
 
 def test_per_request_hints_use_up_states_not_memory() -> None:
@@ -192,3 +197,28 @@ def test_a_failed_evict_keeps_every_key_evictable() -> None:
     assert victims is not None and len(victims) == 2 and 1 not in victims
     rest = pol.evict(3, always)
     assert rest is not None and set(victims) | set(rest) == {0, 1, 2, 3, 4}
+
+
+def test_a_lower_tier_hit_is_learned_once_by_the_top_tier() -> None:
+    """A hit in a lower tier changes only that tier's order; the top tier's table learns the use
+    when the block comes back up (found in its ghost), not twice."""
+    top: HitDensity[int] = HitDensity(8)
+    low: HitDensity[int] = HitDensity(32)
+    low.feed_by_demotion(top)
+    for i in range(6):  # chains of 3; the first ones are demoted
+        top.insert([10 * i, 10 * i + 1, 10 * i + 2], "doc")
+        if len(top) > 8:
+            victims = top.evict(len(top) - 8, always)
+            assert victims is not None
+            low.insert(victims)
+    assert 0 in low and 0 not in top
+    events = top._table._ev.sum()
+    low.access([0, 1])
+    assert top._table._ev.sum() == events  # nothing learned in the lower tier
+    for k in (0, 1):
+        low.remove(k)  # promoted: it leaves the lower tier and comes back up
+    top.insert([0, 1], "doc")
+    assert top._table._ev.sum() == events + 2  # learned once, as two returns from the ghost
+    resident = set(low.resident())
+    victims = low.evict(len(low), always)  # every key the lower tier holds can still leave
+    assert victims is not None and set(victims) == resident

@@ -16,11 +16,11 @@ limits: ``docs/simulation.md`` (opt-in; S3-FIFO stays the default).
 Each state keeps its blocks in a FIFO queue, in order of last use (a request's keys enter leaf
 first). A block's density is taken as the lowest it had at any age up to its own (so it never
 rises with age), which makes a queue's oldest block its least dense: eviction takes the queue
-whose oldest block has the lowest density, from that end, and never ranks blocks one by one.
-(The non-monotone density, ranked in cohorts of age, did as well at 10k blocks on the Mooncake
-trace and worse at 3k-5k; ``docs/simulation.md``.) The queue heads sit in a heap, rebuilt when
-the ages move a bucket or the table is refit. A key used again is queued anew and leaves a stale
-entry behind, skipped when met (queues are filtered when stale entries outnumber live ones).
+whose oldest block has the lowest density, from that end, and never ranks blocks one by one
+(ranking cohorts by the raw density did worse: ``docs/simulation.md``). Queue heads sit in a
+heap, rebuilt when the ages move a bucket or the table is refit. A key used again is queued anew
+and leaves a stale entry behind, skipped when met (queues are filtered when stale entries
+outnumber live ones).
 
 Prefix awareness: a key whose child (the next key of a chain inserted with it) is resident is
 never a victim; met by an eviction, it waits out of its queue until its last child leaves, then
@@ -31,7 +31,7 @@ them with this policy's table, by the state and age each victim had here.
 from __future__ import annotations
 
 import heapq
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Collection, Hashable, Sequence
 from typing import Any, ClassVar
 
@@ -97,9 +97,7 @@ class HitDensity(EvictionPolicy[K]):
         self._ghost: Ghost[K] = Ghost(int(cap * self.ghost_factor), self._table)
         self._parent: dict[K, K] = {}  # resident key -> its parent (keys inserted together)
         self._kids: dict[K, int] = {}  # resident key -> resident children
-        # parents met by an eviction while their children stayed: out of their queue until
-        # the last child leaves (then queued again, first in line)
-        self._waiting: set[K] = set()
+        self._waiting: set[K] = set()  # parents met by an eviction while a child stayed
         self._queues: list[deque[Entry]] = []  # per state: newest at the left
         self._dens: list[list[float]] = []  # per state and age bucket, non-increasing in age
         self._heap: list[tuple[float, int, int]] = []  # (density, start, state) of queue heads
@@ -131,7 +129,28 @@ class HitDensity(EvictionPolicy[K]):
             self._advance(n_new)
 
     def access(self, keys: Sequence[K]) -> None:
-        self._use(keys, None)
+        if self._upper is not None:
+            self._touch(keys)
+        else:
+            self._use(keys, None)
+
+    def _touch(self, keys: Sequence[K]) -> None:
+        """A lower tier's hits move to the newest end of their queues, state kept; the top tier
+        learns the use when the block comes back up (from its ghost)."""
+        meta, queues, top = self._meta, self._queues, self._top
+        stamp = self._root._now << START_SHIFT
+        for k in reversed(keys):
+            m = meta.get(k)
+            if m is None:
+                continue
+            new = m & ((1 << START_SHIFT) - 1) | stamp
+            if new != m:
+                meta[k] = new
+                s = m & STATE_MASK
+                queues[s].appendleft((k, new))
+                self._stale += 1
+                if top[s] < 0:
+                    self._push(s, stamp >> START_SHIFT)
 
     def refresh(self, keys: Sequence[K]) -> None:
         """No use is counted (their load was): ``keys`` are the cached prefix of the keys the
@@ -439,8 +458,7 @@ class HitDensity(EvictionPolicy[K]):
         assert upper is not None
         meta = self._meta
         passed = upper._passed if upper is not self else {}
-        now = self._root._now
-        self._now = now
+        self._now = now = self._root._now
         self._dens = self._root._dens
         opened: list[tuple[int, K]] = []
         prev: K | None = None
@@ -466,21 +484,10 @@ class HitDensity(EvictionPolicy[K]):
 
     # -- introspection -------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
-        """Resident and remembered keys, and the learned states with the most resident keys:
-        the state, its hazard of a use in the first age bucket, its density at age 0."""
+        """Resident and remembered keys, and the learned states with the most resident keys."""
         out: dict[str, Any] = {"resident": len(self._meta), "ghost": len(self._ghost)}
         if self._upper is None:
-            counts = Counter(m & STATE_MASK for m in self._meta.values())
-            haz = self._table.hazard
-            out["states"] = [
-                {
-                    "state": repr(self._states.names[s]),
-                    "resident": counts[s],
-                    "hazard_first_bucket": round(float(haz[s][0]), 4) if s < len(haz) else 0.0,
-                    "density_age0": round(self._dens[s][0], 6),
-                }
-                for s, _ in counts.most_common(16)
-            ]
+            out["states"] = self._states.top(self._meta.values(), self._table.hazard, self._dens)
         return out
 
     def resident(self) -> Collection[object]:

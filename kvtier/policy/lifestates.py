@@ -16,9 +16,11 @@ block's *meta* packs its state, use count and the clock of its last use into one
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Hashable
-from typing import Generic, TypeVar
+from collections import Counter, deque
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any, Generic, TypeVar
+
+import numpy.typing as npt
 
 from kvtier.policy.lifetable import LifeTable
 
@@ -72,6 +74,22 @@ class LifeStates:
             if len(self._new) < self.max_states:
                 self._new[hint] = ids
         return ids
+
+    def top(
+        self, metas: Iterable[int], hazard: npt.NDArray[Any], dens: Sequence[Sequence[float]]
+    ) -> list[dict[str, Any]]:
+        """The 16 states with the most keys among ``metas``: name, keys, learned hazard of a use
+        in the first age bucket, density at age 0."""
+        counts = Counter(m & STATE_MASK for m in metas)
+        return [
+            {
+                "state": repr(self.names[s]),
+                "resident": n,
+                "hazard_first_bucket": round(float(hazard[s][0]), 4) if s < len(hazard) else 0.0,
+                "density_age0": round(dens[s][0], 6),
+            }
+            for s, n in counts.most_common(16)
+        ]
 
 
 class Ghost(Generic[K]):
