@@ -338,7 +338,9 @@ class S3FIFO(EvictionPolicy[K]):
         ``main`` is read in passes: one iterator walks it from the front, lowering the counters
         of hit keys and taking unhit ones, and the queue is updated after the walk (victims out,
         hit keys to the back in the order met) -- the order one key at a time would give, as a
-        key moved to the back is not met again before the rest of the queue."""
+        key moved to the back is not met again before the rest of the queue. Probation is read
+        the same way, as many keys at a time as leave it before it is within its share (cold
+        keys first, newest first)."""
         small, cold, main, ghost = self._small, self._cold, self._main, self._ghost
         freq = self._freq
         small_cap = self._small_cap
