@@ -9,7 +9,7 @@ import pytest
 
 from kvtier.policy.base import always
 from kvtier.policy.density import HitDensity
-from kvtier.policy.lifetable import LifeTable, _smoothed, _windows
+from kvtier.policy.lifetable import LifeTable, _smoothed, _subtract_at, _windows
 from kvtier.sim.replay import TierSpec, replay
 from tests.helpers import SMALL, host_store, kv_for
 from tests.test_sim import tree_trace
@@ -91,6 +91,37 @@ def test_smoothing_and_windows_match_their_loops() -> None:
                 time += alive * (1 - 0.5 * hz)  # trapezoid over the bucket
                 alive *= 1 - hz
             assert np.isclose(surv[s, a], alive) and np.isclose(held[s, a], time)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_subtract_at_is_numpys_unbuffered_subtract(seed: int) -> None:
+    """``refit``'s row subtraction equals ``np.subtract.at`` to the bit, rows named twice too."""
+    rng = np.random.default_rng(seed)
+    xd = rng.random((9, 3))
+    rows = rng.integers(0, 9, size=7) if seed else np.arange(7)  # seed 0: no repeats
+    w = rng.random((3, 7))
+    want = xd.copy()
+    np.subtract.at(want, rows, w.T)
+    _subtract_at(xd, rows, w)
+    assert np.array_equal(xd, want)
+
+
+def test_one_bucket_ticks_age_lives_as_one_long_tick() -> None:
+    """``tick`` one bucket at a time (its fast path) and across several buckets at once move
+    the same open lives into the old pool."""
+    a = LifeTable(width=4, buckets=8, tau=1e6, horizon=16, prior=1.0)
+    b = LifeTable(width=4, buckets=8, tau=1e6, horizon=16, prior=1.0)
+    for t in (a, b):
+        t.grow(3)
+    for start in range(0, 60, 2):
+        for t in (a, b):
+            t.tick(start)
+            t.open(start % 3, start, 1 + start % 2)
+    for now in range(60, 90):  # 7 buckets: within the ring of open lives (9), as a policy's
+        a.tick(now)  # clock moves (an insert is at most a capacity, half the ring)
+    b.tick(89)
+    assert np.allclose(a._old, b._old) and np.allclose(a._old_sb, b._old_sb)
+    assert np.allclose(a._open, b._open)
 
 
 def test_density_learns_which_request_class_comes_back() -> None:

@@ -22,10 +22,12 @@ Beckmann et al., NSDI'18): the chance it is used within ``horizon`` divided by t
 expected to hold its space until then (its next use, or the horizon). The policy evicts the lowest
 density first.
 
-Costs: ``close``, ``open``, ``censor`` are O(1) (a few numpy scalar updates; weights are rebased
-every ``30 * tau`` of the clock so they never overflow); ``tick`` is O(states) per age bucket
-passed; ``refit`` is O(states x buckets x log(horizon / width)) with numpy (prefix scans), run
-by the policy every so often. The horizon is rounded to a power of two buckets.
+Costs: ``close``, ``open``, ``censor`` are O(1) (a few scalar updates, through flat memoryviews
+of the arrays; weights are rebased every ``30 * tau`` of the clock so they never overflow);
+``tick`` is O(states) per age bucket passed; ``refit`` is O(states x buckets x log(horizon /
+width)) with numpy (prefix scans, on bucket-major copies), run by the policy every so often. The
+horizon is rounded to a power of two buckets. Every sum and product is formed as in the plain
+state-major formulas (same operands, same order), so the results are the same to the bit.
 """
 
 from __future__ import annotations
@@ -70,7 +72,10 @@ class LifeTable:
         self._old = np.zeros(0)
         self._old_sb = np.zeros(0)
         self._last = np.zeros(0)
+        self._views()
         self._cur = 0  # current start bucket (clock // width) as of the last ``tick``
+        self._slots = np.arange(self._ring)
+        self._ages = np.exp((np.arange(k) + 0.5) * self.width / self.tau)  # ``refit``'s weights
         #: hit density by [state, age bucket] (``refit``); all zero until the first refit
         self.density: npt.NDArray[np.float64] = np.zeros((0, k))
         self.hazard: npt.NDArray[np.float64] = np.zeros((0, k))
@@ -94,9 +99,18 @@ class LifeTable:
         self._old = np.concatenate([self._old, np.zeros(more)])
         self._old_sb = np.concatenate([self._old_sb, np.zeros(more)])
         self._last = np.concatenate([self._last, np.zeros(more)])
+        self._views()
 
-    def _weight(self, t: int) -> float:
-        return math.exp((t - self._base) / self.tau)
+    def _views(self) -> None:
+        """Flat views of the arrays (row-major), for the O(1) updates: an element of a
+        memoryview reads and writes as a Python float, several times cheaper than numpy's
+        scalar indexing (the arithmetic is the same: IEEE doubles)."""
+        self._ev_v = _view(self._ev)
+        self._xd_v = _view(self._xd)
+        self._open_v = _view(self._open)
+        self._old_v = _view(self._old)
+        self._old_sb_v = _view(self._old_sb)
+        self._last_v = _view(self._last)
 
     def tick(self, now: int) -> bool:
         """The clock moved to ``now``: retire ring slots whose lives are now older than the ring
@@ -107,12 +121,19 @@ class LifeTable:
             return False
         ring = self._ring
         # slot sb % ring held start bucket sb - ring until now: those lives are old
-        sbs = np.arange(max(self._cur + 1, b - ring + 1), b + 1)
-        slots = sbs % ring
-        cols = self._open[:, slots]
-        self._old += cols.sum(axis=1)
-        self._old_sb += cols @ (sbs - ring).astype(np.float64)
-        self._open[:, slots] = 0.0
+        if b == self._cur + 1:  # one slot: the general case's sum and product of one column
+            # are 0 + it and 0 + it x (sb - ring), formed here without the fancy indexing
+            col = self._open[:, b % ring]
+            self._old += col + 0.0
+            self._old_sb += col * float(b - ring) + 0.0
+            col[:] = 0.0
+        else:
+            sbs = np.arange(max(self._cur + 1, b - ring + 1), b + 1)
+            slots = sbs % ring
+            cols = self._open[:, slots]
+            self._old += cols.sum(axis=1)
+            self._old_sb += cols @ (sbs - ring).astype(np.float64)
+            self._open[:, slots] = 0.0
         self._cur = b
         if now - self._base > self.REBASE * self.tau:
             self._rebase(now)
@@ -127,40 +148,44 @@ class LifeTable:
     def _unopen(self, state: int, start: int, a: float) -> None:
         sb = start // self.width
         if self._cur - sb >= self._ring:
-            self._old[state] -= a
-            self._old_sb[state] -= a * sb
+            self._old_v[state] -= a
+            self._old_sb_v[state] -= a * sb
         else:
-            self._open[state, sb % self._ring] -= a
+            self._open_v[state * self._ring + sb % self._ring] -= a
 
     def open(self, state: int, start: int, count: int = 1) -> None:
         """``count`` lives of ``state`` start at ``start`` (the current clock)."""
-        self._open[state, (start // self.width) % self._ring] += count * self._weight(start)
+        ring = self._ring
+        self._open_v[state * ring + (start // self.width) % ring] += count * math.exp(
+            (start - self._base) / self.tau
+        )
 
     def close(self, state: int, start: int, now: int, count: int = 1) -> None:
         """``count`` lives of ``state`` that started at ``start`` end with a use at ``now``."""
-        a = count * self._weight(start)
+        a = count * math.exp((start - self._base) / self.tau)
         self._unopen(state, start, a)
         b = (now - start) // self.width
         last = self.buckets - 1
         if b > last:  # the last bucket takes every older age: exposure for each bucket spent
-            self._last[state] += a * (b - last)
+            self._last_v[state] += a * (b - last)
             b = last
-        self._ev[state, b] += a
-        xd = self._xd
-        xd[state, 0] += a
-        xd[state, b + 1] -= a
+        self._ev_v[state * self.buckets + b] += a
+        xd, row = self._xd_v, state * (self.buckets + 1)
+        xd[row] += a
+        xd[row + b + 1] -= a
 
     def censor(self, state: int, start: int, now: int, count: int = 1) -> None:
         """``count`` open lives are forgotten at ``now`` (exposure up to their age, no event)."""
-        a = count * self._weight(start)
+        a = count * math.exp((start - self._base) / self.tau)
         self._unopen(state, start, a)
         done = (now - start) // self.width
         if done > self.buckets:
-            self._last[state] += a * (done - self.buckets)
+            self._last_v[state] += a * (done - self.buckets)
             done = self.buckets
         if done:
-            self._xd[state, 0] += a
-            self._xd[state, done] -= a
+            xd, row = self._xd_v, state * (self.buckets + 1)
+            xd[row] += a
+            xd[row + done] -= a
 
     # -- the table ---------------------------------------------------------------------------
     def refit(self, now: int) -> None:
@@ -169,68 +194,133 @@ class LifeTable:
         if not n:
             return
         k, w, ring = self.buckets, self.width, self._ring
-        xd = self._xd[:n].copy()  # [n, k + 1]
+        # the arrays below are bucket-major ([bucket, state], C order): the scans over buckets
+        # then run on contiguous rows (every value is computed as in a state-major layout)
+        xd = self._xd[:n].T.copy()  # [k + 1, n]
         # open lives: exposure in their completed buckets (start bucket sb: cur - sb of them)
         openw = self._open[:n]  # [n, ring], slot = sb % ring
-        slots = np.arange(ring)
-        sb = self._cur - ((self._cur - slots) % ring)  # the start bucket each slot holds
+        sb = self._cur - ((self._cur - self._slots) % ring)  # the start bucket each slot holds
         # completed buckets of a life started mid-bucket sb (the ring keeps no exact starts)
         done = np.clip(np.floor(now / w - sb - 0.5), 0, k).astype(np.int64)
         old = self._old[:n]
-        xd[:, 0] += openw.sum(axis=1) + old
-        np.add.at(xd.T, done, -openw.T)
-        xd[:, k] -= old
+        xd[0] += openw.sum(axis=1) + old
+        _subtract_at(xd, done, openw)
+        xd[k] -= old
         scale = math.exp((self._base - now) / self.tau)
-        f = np.exp((np.arange(k) + 0.5) * w / self.tau) * scale  # weight of bucket b of a life
+        f = self._ages * scale  # weight of bucket b of a life
         # lives started at t: their bucket b happened at t + (b + 0.5) w (the weights above
         # carry exp(t - base)), so exposure and events are weighted by how long ago they were
-        expo = np.cumsum(xd, axis=1)[:, :k]
+        expo = np.cumsum(xd[:k], axis=0)
         # the last bucket: every bucket's worth of age spent past it, by lives closed, censored
         # and open (old lives of start bucket sb have cur - sb - k buckets past their first)
-        expo[:, k - 1] += self._last[:n] + old * (self._cur - k) - self._old_sb[:n]
-        expo *= f
-        events = self._ev[:n] * f
-        self.hazard = h = _smoothed(events, expo, self.prior)
+        expo[k - 1] += self._last[:n] + old * (self._cur - k) - self._old_sb[:n]
+        fc = f[:, None]
+        expo *= fc
+        events = np.empty((k, n))
+        np.multiply(self._ev[:n].T, fc, out=events)
+        tot_x = expo[0].sum()
+        pooled = events[0].sum() / tot_x if tot_x > 0 else 0.0
+        h = _smoothed_bm(events, expo, self.prior, pooled)
         # density over the horizon: P(used within it) / E[time held until used or horizon]
         steps = 1 << max(0, round(math.log2(max(1, self.horizon // w))))
-        surv, held = _windows(h, steps)
-        hits = 1.0 - surv
-        self.density = hits / np.maximum(held, 1e-12)
+        surv, held = _windows_bm(h, steps)
+        np.subtract(1.0, surv, out=surv)  # the chance of a use within the horizon
+        np.maximum(held, 1e-12, out=held)
+        np.divide(surv, held, out=surv)
+        self.hazard = h.T
+        self.density = surv.T
+
+
+def _view(a: npt.NDArray[np.float64]) -> memoryview[float]:
+    """A flat, writable view of C-ordered ``a`` whose elements are Python floats."""
+    return (a.data if a.size else memoryview(bytearray())).cast("B").cast("d")
+
+
+def _subtract_at(
+    xd: npt.NDArray[np.float64], rows: npt.NDArray[np.int64], w: npt.NDArray[np.float64]
+) -> None:
+    """``xd[rows[j]] -= w[:, j]`` for each ``j`` in order, as ``np.subtract.at``: a row named
+    more than once takes its columns one by one, in order."""
+    named = np.bincount(rows)[rows]
+    if named.max(initial=0) <= 1:
+        xd[rows] -= w.T
+        return
+    once = named == 1
+    xd[rows[once]] -= w[:, once].T
+    for j in np.flatnonzero(~once).tolist():
+        xd[rows[j]] -= w[:, j]
 
 
 def _smoothed(
     events: npt.NDArray[np.float64], expo: npt.NDArray[np.float64], prior: float
 ) -> npt.NDArray[np.float64]:
-    """Hazards ``h[s, b] = (events + prior * h[s, b - 1]) / (exposure + prior)``, bucket 0
-    smoothed towards the pooled hazard of bucket 0. The recurrence is affine in ``h[s, b - 1]``,
-    so it is a prefix composition of affine maps, computed in log2(buckets) numpy steps."""
-    k = events.shape[1]
+    """``_smoothed_bm`` for state-major arrays (``[state, bucket]``); the inputs are kept."""
     tot_x = expo[:, 0].sum()
     pooled = events[:, 0].sum() / tot_x if tot_x > 0 else 0.0
-    a = prior / (expo + prior)  # h[b] = a[b] * h[b - 1] + c[b]
-    c = events / (expo + prior)
-    d = 1
-    while d < k:  # (a, c)[b] := (a, c)[b] after (a, c)[b - d]: maps over 2d buckets
-        c[:, d:] = a[:, d:] * c[:, :-d] + c[:, d:]
-        a[:, d:] = a[:, d:] * a[:, :-d]
-        d *= 2
-    h: npt.NDArray[np.float64] = np.clip(a * pooled + c, 0.0, 1.0)
-    return h
+    h = _smoothed_bm(events.T.copy(), expo.T.copy(), prior, pooled)
+    return h.T
 
 
 def _windows(
     h: npt.NDArray[np.float64], steps: int
 ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
-    """For every start bucket: the chance of no use over the next ``steps`` buckets (a power of
-    two) and the expected buckets held meanwhile (trapezoid rule), hazards past the last bucket
-    being the last's. Windows double log2(steps) times: (survival, held) over 2m buckets are
-    survival(m) x survival(m, later) and held(m) + survival(m) x held(m, later)."""
-    k = h.shape[1]
-    surv = 1.0 - np.concatenate([h, np.repeat(h[:, -1:], steps, axis=1)], axis=1)
-    held = 0.5 * (1.0 + surv)
+    """``_windows_bm`` for state-major arrays (``[state, bucket]``)."""
+    surv, held = _windows_bm(np.ascontiguousarray(h.T), steps)
+    return surv.T, held.T
+
+
+def _smoothed_bm(
+    events: npt.NDArray[np.float64], expo: npt.NDArray[np.float64], prior: float, pooled: float
+) -> npt.NDArray[np.float64]:
+    """Hazards ``h[b, s] = (events + prior * h[b - 1, s]) / (exposure + prior)`` (bucket-major
+    arrays), bucket 0 smoothed towards the pooled hazard of bucket 0. The recurrence is affine in
+    ``h[b - 1]``, so it is a prefix composition of affine maps, computed in log2(buckets) numpy
+    steps (``pooled``: the pooled hazard of bucket 0). Overwrites ``events`` and ``expo``."""
+    k = events.shape[0]
+    expo += prior
+    c = np.divide(events, expo, out=events)  # h[b] = a[b] * h[b - 1] + c[b]
+    a = np.divide(prior, expo, out=expo)
+    na = np.empty_like(a)  # the next a (written beside a: no copy of it)
+    d = 1
+    while d < k:  # (a, c)[b] := (a, c)[b] after (a, c)[b - d]: maps over 2d buckets
+        c[d:] += np.multiply(a[d:], c[:-d], out=na[d:])
+        np.multiply(a[d:], a[:-d], out=na[d:])
+        na[:d] = a[:d]
+        a, na = na, a
+        d *= 2
+    np.multiply(a, pooled, out=a)
+    a += c
+    h: npt.NDArray[np.float64] = np.clip(a, 0.0, 1.0, out=a)
+    return h
+
+
+def _windows_bm(
+    h: npt.NDArray[np.float64], steps: int
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """For every start bucket (``h`` bucket-major): the chance of no use over the next ``steps``
+    buckets (a power of two) and the expected buckets held meanwhile (trapezoid rule), hazards
+    past the last bucket being the last's. Windows double log2(steps) times: (survival, held)
+    over 2m buckets are survival(m) x survival(m, later) and held(m) + survival(m) x held(m,
+    later). Returns new arrays (bucket-major).
+
+    Every window that starts at the last bucket or later is the same (the same hazards, in the
+    same order), so row ``k`` stands for all of them: a window whose later half starts there
+    takes row ``k`` as that half."""
+    k, n = h.shape
+    surv = np.empty((k + 1, n))
+    np.subtract(1.0, h, out=surv[:k])
+    surv[k] = surv[k - 1]
+    held = np.add(1.0, surv)
+    held *= 0.5
+    ns, nh = np.empty_like(surv), np.empty_like(surv)  # the next windows
     m = 1
     while m < steps:
-        held = held[:, :-m] + surv[:, :-m] * held[:, m:]
-        surv = surv[:, :-m] * surv[:, m:]
+        j = max(k + 1 - m, 0)  # windows j.. take row k as their later half
+        np.multiply(surv[:j], held[m:], out=nh[:j])
+        np.multiply(surv[j:], held[k], out=nh[j:])
+        nh += held
+        np.multiply(surv[:j], surv[m:], out=ns[:j])
+        np.multiply(surv[j:], surv[k], out=ns[j:])
+        surv, ns, held, nh = ns, surv, nh, held
         m *= 2
-    return surv[:, :k], held[:, :k]
+    return surv[:k], held[:k]
