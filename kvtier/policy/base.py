@@ -81,11 +81,13 @@ class EvictionPolicy(ABC, Generic[K]):
         """What the policy has learned, for ``TieredStore.stats()`` (empty by default)."""
         return {}
 
-    @abstractmethod
-    def __len__(self) -> int: ...
+    def __len__(self) -> int:
+        """Resident keys (``len(self.resident())``)."""
+        return len(self.resident())
 
-    @abstractmethod
-    def __contains__(self, key: object) -> bool: ...
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is resident (``key in self.resident()``)."""
+        return key in self.resident()
 
 
 def always(_: object) -> bool:

@@ -492,9 +492,3 @@ class HitDensity(EvictionPolicy[K]):
 
     def resident(self) -> Collection[object]:
         return self._meta
-
-    def __len__(self) -> int:
-        return len(self._meta)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._meta

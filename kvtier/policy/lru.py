@@ -48,9 +48,3 @@ class LRU(EvictionPolicy[K]):
 
     def resident(self) -> Collection[object]:
         return self._order
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._order

@@ -432,12 +432,6 @@ class S3FIFO(EvictionPolicy[K]):
     def resident(self) -> Collection[object]:
         return self._freq
 
-    def __len__(self) -> int:
-        return len(self._freq)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._freq
-
 
 class BlockS3FIFO(S3FIFO[K]):
     """S3-FIFO as a plain block cache (paper defaults, parent first): prefix-unaware baseline."""

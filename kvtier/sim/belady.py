@@ -121,9 +121,3 @@ class Belady(EvictionPolicy[int]):
 
     def resident(self) -> Collection[object]:
         return self._resident
-
-    def __len__(self) -> int:
-        return len(self._resident)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._resident
