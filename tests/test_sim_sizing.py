@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 from pathlib import Path
@@ -206,3 +207,32 @@ def test_plan_says_when_the_weights_do_not_fit(capsys: pytest.CaptureFixture[str
     assert out["weights_fit"] is True
     assert main(["plan", "--model", "Llama-3.1-70B"]) == 0
     assert "WEIGHTS DO NOT FIT" in capsys.readouterr().out
+
+
+def test_a_cheaper_size_only_the_policy_meets_is_found(trace: Trace) -> None:
+    """The answer is the cheapest grid configuration whose S3-FIFO replay meets the SLO, checked
+    against replaying every one: here that configuration's LRU estimate misses the SLO by more
+    than the first screen's margin, and stopping at the first answer cost 13% more."""
+    hier, max_blocks = space(trace, "s3fifo")
+    best, worst = p90_range(trace, hier, max_blocks)
+    slo = best + (worst - best) / 4
+    found = sizing.search(trace, hier, max_blocks, slo, points=4, margin=sizing.DEFAULT_MARGIN)
+    assert found.caps_bytes is not None and not found.exhausted
+    bb = hier.block_bytes
+    price = [t.cost.usd_per_gb_month * bb / 1e9 for t in hier.tiers]
+    prof = sizing.lru_profile(trace)
+    inp = np.array([r.input_length for r in trace.requests], dtype=np.int64)
+    longest = max(len(r.blocks) for r in trace.requests)
+    grids = [sizing.grid(min(m, prof.distinct), 4, longest if i == 0 else 1)
+             for i, m in enumerate(max_blocks)]  # fmt: skip
+    met = []
+    for caps in itertools.product(*grids):
+        if caps[0] == 0 and any(caps[1:]):
+            continue
+        p90, _ = sizing.exact_p90(trace, sizing.sized(hier, tuple(c * bb for c in caps)))
+        if p90 <= slo:
+            met.append((sum(c * p for c, p in zip(caps, price, strict=True)), caps))
+    _, cheapest = min(met)
+    assert found.caps_bytes == tuple(c * bb for c in cheapest)
+    estimate = sizing._p90(sizing.estimate_hits(prof, cheapest), inp, hier)
+    assert estimate > slo * (1 + sizing.DEFAULT_MARGIN)  # the first screen passed it over
