@@ -236,3 +236,21 @@ def test_a_cheaper_size_only_the_policy_meets_is_found(trace: Trace) -> None:
     assert found.caps_bytes == tuple(c * bb for c in cheapest)
     estimate = sizing._p90(sizing.estimate_hits(prof, cheapest), inp, hier)
     assert estimate > slo * (1 + sizing.DEFAULT_MARGIN)  # the first screen passed it over
+
+
+def test_replays_in_workers_give_the_same_answer(trace: Trace) -> None:
+    """Candidates replayed two at a time in worker processes: the same sizes, p90 and replays
+    counted as one at a time, for an SLO met at once and one met only after the screen widens."""
+    hier, max_blocks = space(trace, "s3fifo")
+    best, worst = p90_range(trace, hier, max_blocks)
+    for slo in (best + (worst - best) / 4, best + (worst - best) / 8):
+        one, two = (
+            sizing.search(trace, hier, max_blocks, slo, points=4, margin=0.01, jobs=j)
+            for j in (1, 2)
+        )
+        assert one.caps_bytes is not None and one.replays > 2
+        assert (two.caps_bytes, two.best_p90_s, two.replays) == (
+            one.caps_bytes,
+            one.best_p90_s,
+            one.replays,
+        )

@@ -2,13 +2,9 @@
 
 The search, in two stages:
 
-1. **Screen with one pass.** For LRU, an exclusive hierarchy that demotes victims one tier down is
-   one LRU stack cut into segments (tier 0 = the top ``c0`` blocks, tier 1 the next ``c1`` ...),
-   so one pass over the trace gives every reference its stack position before its request is
-   served (:func:`lru_profile`), and the hits per tier of *any* sizes follow with a few numpy
-   operations (:func:`estimate_hits`). A block is in the leading run at total capacity ``C`` iff
-   the largest stack position of its chain up to it is ``< C``. This is exact for LRU except when
-   a request is longer than the first tier (the replay keeps only its leading blocks).
+1. **Screen with one pass.** The LRU stack distances of ``kvtier.sim.lrustack`` give the hits
+   per tier of an LRU hierarchy of *any* sizes from one pass over the trace (exact for LRU when
+   the first tier holds the longest request, which the search ensures).
 2. **Verify by replay.** The largest configuration is replayed first with the chosen policy
    (``kvtier.sim.replay``). Then candidate sizes (a geometric grid per tier, 0 included below the
    first) are walked cheapest first; one whose estimated p90 is within ``--screen-margin`` of the
@@ -26,7 +22,8 @@ The search, in two stages:
    always better with more capacity, so a miss at the largest size does not end the walk.) A looser
    SLO admits a superset of candidates, so it never costs more (exactly so for LRU, whose estimate
    is exact and margin 0; for other policies the margins make it a strong tendency, not a
-   guarantee).
+   guarantee). The next ``--jobs`` candidates of a walk are replayed at once, in worker
+   processes (``kvtier.sim.replaypool``); the answer and the replays counted do not depend on it.
 
 Costs are ``capacity x $/GB/month`` per tier (GPU rental excluded); the tiers searched are HBM
 (at most what ``--gpus`` x ``--gpu-memory`` leave after weights and a 10% reserve), then
@@ -39,6 +36,7 @@ import argparse
 import itertools
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,12 +50,13 @@ from kvtier.plan import make_plan
 from kvtier.policy import DEFAULT_POLICY
 from kvtier.sim.cost import GPU, ComputeModel, price, tier_cost
 from kvtier.sim.hierarchy import DEFAULT_MODEL, Hierarchy, SimTier
+from kvtier.sim.lrustack import StackProfile, estimate_hits, lru_profile
 from kvtier.sim.options import add_hints_argument
 from kvtier.sim.replay import SIM_POLICIES, replay
+from kvtier.sim.replaypool import ReplayPool, default_jobs
 from kvtier.sim.report import render, summarize
 from kvtier.sim.trace import Trace, read_trace
 
-NEVER = 1 << 62
 #: screening margin for policies other than LRU (their hits differ from the LRU estimate)
 DEFAULT_MARGIN = 0.01
 #: the screen widens (doubling) up to this margin while no admitted candidate meets the SLO
@@ -67,96 +66,6 @@ MAX_MARGIN = 0.64
 #: takes 129 replays for the same answer, 0.16 misses it)
 REFINE_MARGIN = 0.32
 I64 = npt.NDArray[np.int64]
-
-
-@dataclass(frozen=True, slots=True)
-class StackProfile:
-    """LRU stack positions of every block reference of a trace (arrays indexed by reference).
-
-    ``dist`` is the block's position in the LRU stack before its request is served (0 = most
-    recent, ``NEVER`` = first reference); ``reach`` the largest ``dist`` of its chain up to it,
-    so the block is in the leading run at total capacity ``C`` iff ``reach < C``. References are
-    sorted by ``reach`` (so the hits at capacity ``C`` are a prefix).
-    """
-
-    req: I64
-    dist: I64
-    reach: I64
-    tokens: npt.NDArray[np.float64]
-    n_requests: int
-    distinct: int
-
-
-def lru_profile(trace: Trace) -> StackProfile:
-    """One pass (Fenwick tree over access times, O(refs log refs)) over ``trace``."""
-    n_refs = trace.block_events
-    size = n_refs + 1
-    tree = [0] * (size + 1)
-    last: dict[int, int] = {}
-    dist: list[int] = []
-    reach: list[int] = []
-    tokens: list[int] = []
-    req: list[int] = []
-    bt = trace.block_tokens
-    live = now = 0
-    for i, r in enumerate(trace.requests):
-        blocks = r.blocks
-        run = -1
-        for k in blocks:
-            p = last.get(k)
-            if p is None:
-                d = NEVER
-            else:
-                s = 0
-                j = p
-                while j > 0:
-                    s += tree[j]
-                    j &= j - 1
-                d = live - s  # keys touched after k's last access
-            if d > run:
-                run = d
-            dist.append(d)
-            reach.append(run)
-        n = len(blocks)
-        if n:
-            tokens.extend([bt] * (n - 1))
-            tokens.append(r.input_length - bt * (n - 1))
-            req.extend([i] * n)
-        for k in reversed(blocks):  # the replay refreshes a chain leaf first: the root ends on top
-            p = last.get(k)
-            if p is None:
-                live += 1
-            else:
-                j = p
-                while j <= size:
-                    tree[j] -= 1
-                    j += j & -j
-            now += 1
-            last[k] = now
-            j = now
-            while j <= size:
-                tree[j] += 1
-                j += j & -j
-    reach_a = np.array(reach, dtype=np.int64)
-    order = np.argsort(reach_a, kind="stable")
-    return StackProfile(
-        req=np.array(req, dtype=np.int64)[order],
-        dist=np.array(dist, dtype=np.int64)[order],
-        reach=reach_a[order],
-        tokens=np.array(tokens, dtype=np.float64)[order],
-        n_requests=len(trace.requests),
-        distinct=len(last),
-    )
-
-
-def estimate_hits(prof: StackProfile, caps: tuple[int, ...]) -> npt.NDArray[np.float64]:
-    """Cached tokens ``[tier, request]`` of an LRU hierarchy with ``caps`` blocks per tier."""
-    n_t = len(caps)
-    stop = int(np.searchsorted(prof.reach, sum(caps), side="left"))
-    tier = np.searchsorted(np.cumsum(caps), prof.dist[:stop], side="right")
-    idx = tier * prof.n_requests + prof.req[:stop]
-    out = np.bincount(idx, weights=prof.tokens[:stop], minlength=n_t * prof.n_requests)
-    return np.asarray(out, dtype=np.float64).reshape(n_t, prof.n_requests)
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +110,11 @@ def exact_p90(trace: Trace, hier: Hierarchy, hints: bool = True) -> tuple[float,
     return _p90(res.hit_tokens.astype(np.float64), res.input_tokens, hier), res
 
 
+def replay_p90(trace: Trace, hier: Hierarchy, hints: bool) -> float:
+    """``exact_p90``'s p90 alone (what a worker of ``ReplayPool`` sends back)."""
+    return exact_p90(trace, hier, hints)[0]
+
+
 def grid(max_blocks: int, points: int, lo: int = 1) -> list[int]:
     """Sizes in blocks: 0 (tier absent), then ``points`` geometric steps from ``max(lo,
     max_blocks / 64)`` up to ``max_blocks``."""
@@ -221,8 +135,12 @@ def search(
     max_replays: int = 40,
     prof: StackProfile | None = None,
     hints: bool = True,
+    jobs: int = 1,
 ) -> SizingResult:
-    """Cheapest sizes of the tiers (each <= ``max_blocks``) whose replayed p90 <= ``slo_s``."""
+    """Cheapest sizes of the tiers (each <= ``max_blocks``) whose replayed p90 <= ``slo_s``.
+    Up to ``jobs`` candidates are replayed at once (the next ones of the walk, in worker
+    processes); the answer and the replays counted are those of one at a time (a candidate
+    after the one that met the SLO was replayed for nothing and is not counted)."""
     prof = prof or lru_profile(trace)
     bb = hier.block_bytes
     ws = prof.distinct
@@ -242,8 +160,26 @@ def search(
     configs.sort()
     inp = np.array([r.input_length for r in trace.requests], dtype=np.int64)
     top = tuple(max(g) for g in grids)
+    with ReplayPool(trace, hints, replay_p90, jobs) as pool:
+        return _walk(pool, hier, configs, slo_s, margin, max_replays, top, prof, inp)
+
+
+def _walk(
+    pool: ReplayPool,
+    hier: Hierarchy,
+    configs: list[tuple[float, tuple[int, ...]]],
+    slo_s: float,
+    margin: float,
+    max_replays: int,
+    top: tuple[int, ...],
+    prof: StackProfile,
+    inp: I64,
+) -> SizingResult:
+    """``search``'s walk over ``configs`` (cost, sizes in blocks; cheapest first), ``top`` the
+    largest configuration (module docstring)."""
+    bb = hier.block_bytes
     top_bytes = tuple(c * bb for c in top)
-    top_p90, _ = exact_p90(trace, sized(hier, top_bytes), hints)
+    (top_p90,) = pool.run([sized(hier, top_bytes)])
     replays = 1
     best = (top_p90, top_bytes)  # the lowest p90 replayed
     estimates: dict[tuple[int, ...], float] = {}
@@ -259,15 +195,24 @@ def search(
     tried = {top}
     found: tuple[float, tuple[int, ...], float] | None = None  # cost, sizes (bytes), p90
     m = margin
-    while True:  # walk cheapest first (below ``found``, once there is one)
+
+    def admitted() -> Iterator[tuple[float, tuple[int, ...], float]]:
+        """This walk's candidates, cheapest first (below ``found``, once there is one)."""
         for cost, caps in configs:
             if found is not None and cost >= found[0]:
-                break
+                return
             est = estimate(caps)
-            if est > slo_s * (1 + m) or caps in tried:
-                continue
-            if replays >= max_replays:
-                if found is not None:
+            if est <= slo_s * (1 + m) and caps not in tried:
+                yield cost, caps, est
+
+    while True:
+        walk, answer = admitted(), found
+        while found is answer:  # replay the walk's candidates in batches, until one meets it
+            batch = list(itertools.islice(walk, max(0, min(pool.jobs, max_replays - replays))))
+            if not batch:
+                if next(walk, None) is None:
+                    break  # the walk is done
+                if found is not None:  # the budget ran out
                     return SizingResult(
                         found[1], replays, len(estimates), len(configs), found[2], exhausted=True
                     )
@@ -278,15 +223,16 @@ def search(
                 return SizingResult(
                     None, replays, len(estimates), len(configs), best[0], best[1], exhausted=True
                 )
-            replays += 1
-            tried.add(caps)
-            cb = tuple(c * bb for c in caps)
-            p90, _ = exact_p90(trace, sized(hier, cb), hints)
-            lead = max(lead, _lead(est, p90))
-            if p90 <= slo_s:
-                found = (cost, cb, p90)
-                break
-            best = min(best, (p90, cb))
+            p90s = pool.run([sized(hier, tuple(c * bb for c in caps)) for _, caps, _ in batch])
+            for (cost, caps, est), p90 in zip(batch, p90s, strict=True):
+                replays += 1
+                tried.add(caps)
+                cb = tuple(c * bb for c in caps)
+                lead = max(lead, _lead(est, p90))
+                if p90 <= slo_s:
+                    found = (cost, cb, p90)
+                    break
+                best = min(best, (p90, cb))
         if found is not None:
             # cheaper sizes whose estimate misses the SLO by a little may meet it with a policy
             # better than LRU: walk them with a wider screen (LRU's estimate is exact: no need)
@@ -328,6 +274,12 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
         "(default 0 for lru, where the estimate is exact, else 0.01)",
     )
     g.add_argument("--max-replays", type=int, default=40, help="exact replays at most")
+    g.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="replays at once, in worker processes (default: the CPUs available, at most 8)",
+    )
     add_hints_argument(g)
 
 
@@ -398,8 +350,19 @@ def run_trace_plan(args: argparse.Namespace) -> int:
     trace = read_trace(args.trace)
     hier, max_blocks, hbm_budget = search_space(args, trace)
     slo = float(args.slo_ttft_p90)
+    jobs = default_jobs() if args.jobs is None else args.jobs
+    if jobs < 1:
+        raise ConfigError("--jobs must be >= 1")
     found = search(
-        trace, hier, max_blocks, slo, args.grid_points, margin, args.max_replays, hints=args.hints
+        trace,
+        hier,
+        max_blocks,
+        slo,
+        args.grid_points,
+        margin,
+        args.max_replays,
+        hints=args.hints,
+        jobs=jobs,
     )
     caps = found.caps_bytes or tuple(0 for _ in hier.tiers)
     # infeasible: the output describes the best configuration replayed (best_bytes)
@@ -419,6 +382,7 @@ def run_trace_plan(args: argparse.Namespace) -> int:
                 "configurations": found.candidates,
                 "estimated": found.estimated,
                 "replayed": found.replays,
+                "jobs": jobs,
                 "screen_margin": margin,
                 "method": "cheapest-first walk over a geometric grid; LRU stack-distance "
                 "estimate screens, an exact replay with the policy decides",
