@@ -1,10 +1,11 @@
 """Exact replays of one trace, several at once (``kvtier plan`` checks its candidate sizes so).
 
-A replay is single-threaded Python, so ``jobs`` of them run in forked worker processes: each
-worker inherits the trace at the fork (nothing is copied per task) and is sent only the
-hierarchy to replay; it sends back the one number asked for. With ``jobs=1``, or where fork is
-not available, the replays run one after another in this process. Results do not depend on
-``jobs``: every replay is deterministic.
+A replay is single-threaded Python, so ``jobs`` of them run in worker processes: each worker
+gets the trace once, when it starts, and is then sent only the hierarchy to replay; it sends back
+the one number asked for. Workers start from a fork server (a clean process, so no thread or
+lock of the caller's is copied into them; ``spawn`` where there is none). With ``jobs=1`` the
+replays run one after another in this process. Results do not depend on ``jobs``: every replay
+is deterministic.
 """
 
 from __future__ import annotations
@@ -50,15 +51,18 @@ class ReplayPool:
 
     def __init__(self, trace: Trace, hints: bool, fn: ReplayFn, jobs: int = 1) -> None:
         self.trace, self.hints, self.fn = trace, hints, fn
-        forks = "fork" in multiprocessing.get_all_start_methods()
-        self.jobs = max(1, jobs) if forks else 1
+        self.jobs = max(1, jobs)
         self._pool: ProcessPoolExecutor | None = None
 
     def __enter__(self) -> ReplayPool:
         if self.jobs > 1:
             self._pool = ProcessPoolExecutor(
                 self.jobs,
-                mp_context=multiprocessing.get_context("fork"),
+                mp_context=multiprocessing.get_context(
+                    "forkserver"
+                    if "forkserver" in multiprocessing.get_all_start_methods()
+                    else "spawn"
+                ),
                 initializer=_start,
                 initargs=(self.trace, self.hints, self.fn),
             )
