@@ -253,3 +253,37 @@ def test_a_lower_tier_hit_is_learned_once_by_the_top_tier() -> None:
     resident = set(low.resident())
     victims = low.evict(len(low), always)  # every key the lower tier holds can still leave
     assert victims is not None and set(victims) == resident
+
+
+def test_a_lower_tier_prices_a_touched_block_at_the_top_tiers_clock() -> None:
+    """A lower tier's clock only follows the top tier's when it inserts or evicts. A hit there
+    on a block waiting for its child (out of its queue) queues it again: it must be priced at
+    age 0 by the top tier's clock, not at a negative age (the oldest bucket's density)."""
+    top: HitDensity[int] = HitDensity(8)
+    low: HitDensity[int] = HitDensity(64)
+    low.feed_by_demotion(top)
+    ages: list[int] = []
+    priced = low._density
+
+    def spy(s: int, start: int) -> float:
+        ages.append(low._now - start)
+        return priced(s, start)
+
+    low._density = spy  # type: ignore[method-assign]
+    top.insert([1], "a")
+    top.insert([1, 2], "a")
+    for i in range(24):
+        top.insert([300 + 3 * i, 301 + 3 * i, 302 + 3 * i], "c")
+        victims = top.evict(len(top) - 8, always) if len(top) > 8 else []
+        assert victims is not None
+        low.insert(victims)
+    kids = [k for k, p in low._parent.items() if p == 1]
+    assert kids  # 1 is a parent in the lower tier
+    while 1 not in low._waiting:  # an eviction meets it while its children are pinned
+        assert low.evict(1, lambda k: k not in kids) is not None
+    for i in range(40):  # only the top tier moves on
+        top.insert([1000 + 3 * i, 1001 + 3 * i, 1002 + 3 * i], "c")
+        assert top.evict(len(top) - 8, always) is not None
+    ages.clear()
+    low.access([1])
+    assert ages and min(ages) == 0

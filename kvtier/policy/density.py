@@ -136,9 +136,12 @@ class HitDensity(EvictionPolicy[K]):
 
     def _touch(self, keys: Sequence[K]) -> None:
         """A lower tier's hits move to the newest end of their queues, state kept; the top tier
-        learns the use when the block comes back up (from its ghost)."""
+        learns the use when the block comes back up (from its ghost). Ages are the top tier's:
+        this tier's clock is brought up to it first (a head pushed here is priced at age 0)."""
+        root = self._root
+        self._now, self._dens = root._now, root._dens
         meta, queues, top = self._meta, self._queues, self._top
-        stamp = self._root._now << START_SHIFT
+        stamp = self._now << START_SHIFT
         for k in reversed(keys):
             m = meta.get(k)
             if m is None:
