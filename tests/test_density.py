@@ -171,6 +171,31 @@ def test_density_never_drops_a_parent_before_its_child() -> None:
     assert order.index(3) < order.index(2) < order.index(1)
 
 
+def test_a_lower_tier_keeps_a_chain_demoted_leaf_first_in_prefix_order() -> None:
+    """The top tier demotes a chain leaf first, a block per eviction, mixed with other chains'
+    blocks: the lower tier links each block to its parent up there once both are down, so it
+    drops the chain leaf first too (linking neighbours of a batch would tie unrelated keys)."""
+    top: HitDensity[int] = HitDensity(4)
+    low: HitDensity[int] = HitDensity(64)
+    low.feed_by_demotion(top)
+    top.insert([1, 2, 3, 4], "doc")
+    for i in range(8):  # one new block a request: one victim per eviction
+        top.insert([100 + i], "other")
+        victims = top.evict(len(top) - 4, always)
+        assert victims is not None
+        low.insert(victims[::-1])
+    assert all(k in low for k in (1, 2, 3, 4))
+    assert low._links.parent.get(4) == 3 and low._links.parent.get(2) == 1
+    low.access([1, 2, 3])
+    low.access([4])  # the leaf is the most recently used: by age alone it would leave last
+    order: list[int] = []
+    while len(low):
+        victims = low.evict(1, always)
+        assert victims is not None
+        order += victims
+    assert order.index(4) < order.index(3) < order.index(2) < order.index(1)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_density_in_a_hierarchy(seed: int) -> None:
     """A lower tier fed by the first tier's victims ranks them with the first tier's table:
@@ -277,9 +302,9 @@ def test_a_lower_tier_prices_a_touched_block_at_the_top_tiers_clock() -> None:
         victims = top.evict(len(top) - 8, always) if len(top) > 8 else []
         assert victims is not None
         low.insert(victims)
-    kids = [k for k, p in low._parent.items() if p == 1]
+    kids = [k for k, p in low._links.parent.items() if p == 1]
     assert kids  # 1 is a parent in the lower tier
-    while 1 not in low._waiting:  # an eviction meets it while its children are pinned
+    while 1 not in low._links.waiting:  # an eviction meets it while its children are pinned
         assert low.evict(1, lambda k: k not in kids) is not None
     for i in range(40):  # only the top tier moves on
         top.insert([1000 + 3 * i, 1001 + 3 * i, 1002 + 3 * i], "c")

@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kvtier.policy.base import EvictionPolicy, K, always
+from kvtier.policy.chainlinks import ChainLinks
 from kvtier.policy.lifestates import (
     MAX_USE_COUNT,
     START_SHIFT,
@@ -95,9 +96,7 @@ class HitDensity(EvictionPolicy[K]):
         self._epoch = 0  # bumped whenever densities or age buckets moved (lower tiers follow)
         self._meta: dict[K, int] = {}  # resident key -> start, uses, state (one int)
         self._ghost: Ghost[K] = Ghost(int(cap * self.ghost_factor), self._table)
-        self._parent: dict[K, K] = {}  # resident key -> its parent (keys inserted together)
-        self._kids: dict[K, int] = {}  # resident key -> resident children
-        self._waiting: set[K] = set()  # parents met by an eviction while a child stayed
+        self._links: ChainLinks[K] = ChainLinks(self._requeue_freed, cap)
         self._queues: list[deque[Entry]] = []  # per state: newest at the left
         self._dens: list[list[float]] = []  # per state and age bucket, non-increasing in age
         self._heap: list[tuple[float, int, int]] = []  # (density, start, state) of queue heads
@@ -108,6 +107,7 @@ class HitDensity(EvictionPolicy[K]):
         self._below = 0  # blocks the tiers below hold (the top tier's ghost covers them)
         self._passes_down = False  # a tier below takes this one's victims (and their metas)
         self._passed: dict[K, int] = {}  # the last victims' metas, for the tier below
+        self._passed_parent: dict[K, K | None] = {}  # ... and their parents up there
         self._last_root: K | None = None  # the last insert's first key, if it has no parent
         self._states = LifeStates(self.max_states, self.max_uses, self._grow)
 
@@ -161,10 +161,10 @@ class HitDensity(EvictionPolicy[K]):
         key, and is no victim while that child stays."""
         root = self._last_root
         self._last_root = None
-        if keys and root is not None and root in self._meta and root not in self._parent:
+        if keys and root is not None and root in self._meta and root not in self._links.parent:
             p = keys[-1]
             if p in self._meta and p != root:
-                self._link(root, p)
+                self._links.link(root, p)
 
     def _use(self, keys: Sequence[K], new_ids: list[int] | None) -> int:
         """Record a use of ``keys`` (prefix order) now: each known key's life ends (learned) and
@@ -173,7 +173,7 @@ class HitDensity(EvictionPolicy[K]):
         number of keys that became resident."""
         meta, ghost = self._meta, self._ghost.metas
         table, queues, top = self._table, self._queues, self._top
-        parent, kids = self._parent, self._kids
+        parent, kids = self._links.parent, self._links.kids
         steps = self._states.steps
         now = self._now
         stamp = now << START_SHIFT
@@ -278,32 +278,16 @@ class HitDensity(EvictionPolicy[K]):
         m = self._meta.pop(key, None)
         if m is None:
             return
-        self._waiting.discard(key)
         self._stale += 1
-        self._unlink(key)
+        self._links.forget(key)
         if self._upper is None:
             self._table.censor(m & STATE_MASK, m >> START_SHIFT, self._now)
 
-    def _link(self, key: K, parent: K) -> None:
-        self._parent[key] = parent
-        self._kids[parent] = self._kids.get(parent, 0) + 1
-
-    def _unlink(self, key: K) -> K | None:
-        """Forget ``key``'s parent link; returns the parent (None if it had none). A waiting
-        parent whose last child this was is queued again, first in line."""
-        p = self._parent.pop(key, None)
-        if p is not None:
-            left = self._kids[p] - 1
-            if left:
-                self._kids[p] = left
-            else:
-                del self._kids[p]
-                if p in self._waiting:
-                    self._waiting.discard(p)
-                    m = self._meta.get(p)
-                    if m is not None:
-                        self._requeue(p, m)
-        return p
+    def _requeue_freed(self, key: K) -> None:
+        """A waiting parent whose last child left is queued again, first in line."""
+        m = self._meta.get(key)
+        if m is not None:
+            self._requeue(key, m)
 
     def _requeue(self, key: K, m: int) -> None:
         """Put ``key`` (meta ``m``) at the eviction end of its state's queue."""
@@ -333,7 +317,8 @@ class HitDensity(EvictionPolicy[K]):
         parents: list[K | None] = []
         held: list[tuple[deque[Entry], Entry]] = []
         parked: list[Entry] = []  # keys sent to wait by this call (restored on failure)
-        kids, waiting, unlink = self._kids, self._waiting, self._unlink
+        links = self._links
+        kids, waiting, unlink = links.kids, links.waiting, links.unlink
         check = evictable is not always
         heap, top, queues, dens = self._heap, self._top, self._queues, self._dens
         w, last, now = self._w, self.buckets - 1, self._now
@@ -385,7 +370,7 @@ class HitDensity(EvictionPolicy[K]):
                 if k in meta and evictable(k):
                     waiting.discard(k)
                     metas.append(meta.pop(k))
-                    parents.append(self._unlink(k))
+                    parents.append(unlink(k))
                     out.append(k)
         for q, e in reversed(held):
             q.append(e)
@@ -398,6 +383,7 @@ class HitDensity(EvictionPolicy[K]):
             self._ghost.remember(out, metas, self._now)
         if self._passes_down:
             self._passed = dict(zip(out, metas, strict=True))
+            self._passed_parent = dict(zip(out, parents, strict=True))
         if self._stale > len(meta) + 1024:
             self._compact()
         return out
@@ -413,11 +399,11 @@ class HitDensity(EvictionPolicy[K]):
         """Undo a failed ``evict``: victims resident again (the first ``queued`` back in their
         queues, the rest waiting again), keys it sent to wait queued again; queues re-sorted by
         last use (restored entries first among equals), heap rebuilt."""
-        meta, waiting = self._meta, self._waiting
+        meta, waiting = self._meta, self._links.waiting
         for k, m, p in zip(out, metas, parents, strict=True):
             meta[k] = m
             if p is not None:
-                self._link(k, p)
+                self._links.link(k, p)
         waiting.update(out[queued:])
         back = list(zip(out[:queued], metas[:queued], strict=True)) + parked
         waiting.difference_update(k for k, _ in back)
@@ -442,7 +428,10 @@ class HitDensity(EvictionPolicy[K]):
         """Rank demoted blocks with the top tier's table, by the state and age they had there
         (the tier above passes each victim's meta down). The top tier's ghost grows to remember
         as many keys as the whole hierarchy holds, so a return from any tier is learned as a use
-        at its true age."""
+        at its true age. Prefix links follow the tier above's: a victim is linked to its parent
+        there once both are down here, whichever came first (a chain comes down leaf first, a
+        block per eviction, between other chains' blocks). Under another policy, neighbours of
+        a batch are linked."""
         if isinstance(upper, HitDensity):
             root = upper._root
             self._upper, self._root = upper, root
@@ -457,10 +446,14 @@ class HitDensity(EvictionPolicy[K]):
             self._upper = self  # no table above: every block one state, oldest first
 
     def _insert_victims(self, keys: Sequence[K]) -> None:
+        """``insert`` for a tier fed by demotions: ``keys`` are the tier above's victims, in
+        prefix order; each keeps the meta (state, last use) and the parent it had there. A
+        child that came down before its parent waits for it (``ChainLinks.adopt``)."""
         upper = self._upper
         assert upper is not None
         meta = self._meta
         passed = upper._passed if upper is not self else {}
+        pp = upper._passed_parent if upper is not self else None
         self._now = now = self._root._now
         self._dens = self._root._dens
         opened: list[tuple[int, K]] = []
@@ -471,8 +464,10 @@ class HitDensity(EvictionPolicy[K]):
                 continue
             m = passed.get(k, now << START_SHIFT)
             meta[k] = m
-            if prev is not None:
-                self._link(k, prev)
+            if pp is not None:
+                self._links.adopt(k, pp.get(k), meta)
+            elif prev is not None:
+                self._links.link(k, prev)
             opened.append((m, k))
             prev = k
         queues, top = self._queues, self._top
