@@ -227,6 +227,8 @@ FLAG_CASES = [
     (["--sweep", "--capacities", ""], "--capacities is empty"),
     (["--sweep", "--capacities", "0,10,5,5"], "capacities are blocks >= 1, got 0"),
     (["--capacities", "10"], "--capacities sets the sweep's capacities; add --sweep"),
+    (["--jobs", "2"], "--jobs sets how many replays of the sweep run at once; add --sweep"),
+    (["--sweep", "--jobs", "0"], "--jobs must be >= 1, got 0"),
     (["--gpus", "0"], "--gpus must be >= 1, got 0"),
     (["--gpus", "-1"], "--gpus must be >= 1, got -1"),
     (["--policy", "nope"], "--policy 'nope' is unknown"),
@@ -313,6 +315,18 @@ def test_failing_run_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixtur
         == 2
     )
     assert not saved.exists() and not list(tmp_path.glob(".saved*"))
+
+
+def test_sweep_rows_do_not_depend_on_jobs(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every policy at three capacities, replayed in two worker processes: the same rows, in
+    the same order, as one replay after another."""
+    argv = ["simulate", "--synthetic", "mixed", "--requests", "200", "--sweep", "--json"]
+    rows = []
+    for jobs in ("1", "2"):
+        assert main([*argv, "--capacities", "20,80,300", "--jobs", jobs]) == 0
+        rows.append(json.loads(capsys.readouterr().out)["sweep"])
+    assert len(rows[0]) == 3 * len({r["policy"] for r in rows[0]}) >= 12
+    assert rows[0] == rows[1]
 
 
 def test_sweep_capacities_are_sorted_once(capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.sim.options import add_hints_argument
+from kvtier.sim.options import add_hints_argument, add_jobs_argument, jobs_from
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,6 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--capacities", help="sweep: comma-separated capacities in blocks (>= 1; sorted)"
     )
+    add_jobs_argument(p, "sweep: replays")
     p.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR (created if needed)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_hints_argument(p)
@@ -155,6 +156,9 @@ def run(args: argparse.Namespace) -> int:
         from kvtier.sim.sweep import parse_capacities
 
         caps = parse_capacities(args.capacities)
+    if args.jobs is not None and not args.sweep:
+        raise ConfigError("--jobs sets how many replays of the sweep run at once; add --sweep")
+    jobs = jobs_from(args)
     if args.capacity_blocks is not None and args.capacity_blocks < 0:
         raise ConfigError(f"--capacity-blocks must be >= 0, got {args.capacity_blocks}")
     plot_dir = None
@@ -182,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
             caps = default_capacities(trace)
         pols = [args.policy] if args.policy else list(SIM_POLICIES)
         with _LazyProgress(len(pols) * len(caps), "sweeping") as progress:
-            rows = sweep(trace, hier, pols, caps, progress, hints=args.hints)
+            rows = sweep(trace, hier, pols, caps, progress, hints=args.hints, jobs=jobs)
         out: dict[str, Any] = {
             "trace": trace.name,
             "requests": len(trace),

@@ -51,9 +51,9 @@ from kvtier.policy import DEFAULT_POLICY
 from kvtier.sim.cost import GPU, ComputeModel, price, tier_cost
 from kvtier.sim.hierarchy import DEFAULT_MODEL, Hierarchy, SimTier
 from kvtier.sim.lrustack import StackProfile, estimate_hits, lru_profile
-from kvtier.sim.options import add_hints_argument
+from kvtier.sim.options import add_hints_argument, add_jobs_argument, jobs_from
 from kvtier.sim.replay import SIM_POLICIES, replay
-from kvtier.sim.replaypool import ReplayPool, default_jobs
+from kvtier.sim.replaypool import ReplayPool
 from kvtier.sim.report import render, summarize
 from kvtier.sim.trace import Trace, read_trace
 
@@ -165,7 +165,7 @@ def search(
 
 
 def _walk(
-    pool: ReplayPool,
+    pool: ReplayPool[Hierarchy, float],
     hier: Hierarchy,
     configs: list[tuple[float, tuple[int, ...]]],
     slo_s: float,
@@ -274,12 +274,7 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
         "(default 0 for lru, where the estimate is exact, else 0.01)",
     )
     g.add_argument("--max-replays", type=int, default=40, help="exact replays at most")
-    g.add_argument(
-        "--jobs",
-        type=int,
-        default=None,
-        help="replays at once, in worker processes (default: the CPUs available, at most 8)",
-    )
+    add_jobs_argument(g, "replays")
     add_hints_argument(g)
 
 
@@ -347,12 +342,10 @@ def run_trace_plan(args: argparse.Namespace) -> int:
         raise ConfigError(
             "--grid-points and --max-replays must be >= 1, --screen-margin a number >= 0"
         )
+    jobs = jobs_from(args)
     trace = read_trace(args.trace)
     hier, max_blocks, hbm_budget = search_space(args, trace)
     slo = float(args.slo_ttft_p90)
-    jobs = default_jobs() if args.jobs is None else args.jobs
-    if jobs < 1:
-        raise ConfigError("--jobs must be >= 1")
     found = search(
         trace,
         hier,

@@ -11,6 +11,7 @@ from kvtier.errors import ConfigError
 from kvtier.sim.cost import price
 from kvtier.sim.hierarchy import Hierarchy
 from kvtier.sim.replay import TierSpec, replay
+from kvtier.sim.replaypool import ReplayPool
 from kvtier.sim.trace import Trace
 
 
@@ -52,28 +53,30 @@ def sweep(
     capacities: Sequence[int],
     progress: Callable[[int], None] | None = None,
     hints: bool = True,
+    jobs: int = 1,
 ) -> list[dict[str, Any]]:
     """One single-tier replay per (policy, capacity); the tier is priced like ``hier``'s first.
 
     Rows come in the order given (``parse_capacities`` sorts). ``progress(i)`` is called after
-    each replay with the number done.
+    each replay with the number done. ``jobs`` replays run at once, in worker processes
+    (``kvtier.sim.replaypool``); the rows do not depend on it.
     """
-    cost = [hier.tiers[0].cost]
-    rows: list[dict[str, Any]] = []
-    for pol in policies:
-        for cap in capacities:
-            res = replay(trace, [TierSpec(hier.tiers[0].name, cap, pol)], hints=hints)
-            t = price(res.hit_tokens, res.input_tokens, cost, hier.compute, hier.gpu)
-            rows.append(
-                {
-                    "policy": pol,
-                    "capacity_blocks": cap,
-                    "capacity_bytes": cap * hier.block_bytes,
-                    "token_hit_ratio": res.token_hit_ratio,
-                    "block_hits": res.block_hits,
-                    "ttft_p90_s": float(np.percentile(t.ttft_s, 90)),
-                }
-            )
-            if progress is not None:
-                progress(len(rows))
-    return rows
+    items = [(hier, pol, cap) for pol in policies for cap in capacities]
+    with ReplayPool(trace, hints, sweep_row, jobs) as pool:
+        return pool.run(items, progress)
+
+
+def sweep_row(trace: Trace, item: tuple[Hierarchy, str, int], hints: bool) -> dict[str, Any]:
+    """The sweep's row of one (hierarchy, policy, capacity): a replay of one tier of that many
+    blocks, priced like the hierarchy's first tier."""
+    hier, pol, cap = item
+    res = replay(trace, [TierSpec(hier.tiers[0].name, cap, pol)], hints=hints)
+    t = price(res.hit_tokens, res.input_tokens, [hier.tiers[0].cost], hier.compute, hier.gpu)
+    return {
+        "policy": pol,
+        "capacity_blocks": cap,
+        "capacity_bytes": cap * hier.block_bytes,
+        "token_hit_ratio": res.token_hit_ratio,
+        "block_hits": res.block_hits,
+        "ttft_p90_s": float(np.percentile(t.ttft_s, 90)),
+    }
