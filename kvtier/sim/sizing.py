@@ -37,7 +37,7 @@ import itertools
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -84,6 +84,8 @@ class SizingResult:
     #: meets it) may exist untried; a feasible answer is the cheapest replayed that met it (the
     #: largest configuration if no other did)
     exhausted: bool = False
+    #: ``kvtier.sim.report.summarize`` of the replay of the chosen sizes (or of ``best_bytes``)
+    summary: dict[str, Any] = field(default_factory=dict)
 
 
 def _p90(hits: npt.NDArray[np.float64], inp: I64, hier: Hierarchy) -> float:
@@ -110,9 +112,11 @@ def exact_p90(trace: Trace, hier: Hierarchy, hints: bool = True) -> tuple[float,
     return _p90(res.hit_tokens.astype(np.float64), res.input_tokens, hier), res
 
 
-def replay_p90(trace: Trace, hier: Hierarchy, hints: bool) -> float:
-    """``exact_p90``'s p90 alone (what a worker of ``ReplayPool`` sends back)."""
-    return exact_p90(trace, hier, hints)[0]
+def replay_p90(trace: Trace, hier: Hierarchy, hints: bool) -> tuple[float, dict[str, Any]]:
+    """``exact_p90``'s p90 and the replay's summary (what a worker of ``ReplayPool`` sends
+    back: the report of the chosen sizes needs no replay of its own)."""
+    p90, res = exact_p90(trace, hier, hints)
+    return p90, summarize(trace, hier, res)
 
 
 def grid(max_blocks: int, points: int, lo: int = 1) -> list[int]:
@@ -165,7 +169,7 @@ def search(
 
 
 def _walk(
-    pool: ReplayPool[Hierarchy, float],
+    pool: ReplayPool[Hierarchy, tuple[float, dict[str, Any]]],
     hier: Hierarchy,
     configs: list[tuple[float, tuple[int, ...]]],
     slo_s: float,
@@ -179,10 +183,23 @@ def _walk(
     largest configuration (module docstring)."""
     bb = hier.block_bytes
     top_bytes = tuple(c * bb for c in top)
-    (top_p90,) = pool.run([sized(hier, top_bytes)])
+    ((top_p90, top_summary),) = pool.run([sized(hier, top_bytes)])
+    summaries = {top_bytes: top_summary}  # of the sizes replayed (bytes)
     replays = 1
     best = (top_p90, top_bytes)  # the lowest p90 replayed
     estimates: dict[tuple[int, ...], float] = {}
+
+    def result(
+        caps_bytes: tuple[int, ...] | None,
+        p90: float,
+        best_bytes: tuple[int, ...] = (),
+        exhausted: bool = False,
+    ) -> SizingResult:
+        summary = summaries[caps_bytes or best_bytes]
+        n = len(estimates)
+        return SizingResult(
+            caps_bytes, replays, n, len(configs), p90, best_bytes, exhausted, summary
+        )
 
     def estimate(caps: tuple[int, ...]) -> float:
         est = estimates.get(caps)
@@ -213,21 +230,16 @@ def _walk(
                 if next(walk, None) is None:
                     break  # the walk is done
                 if found is not None:  # the budget ran out
-                    return SizingResult(
-                        found[1], replays, len(estimates), len(configs), found[2], exhausted=True
-                    )
+                    return result(found[1], found[2], exhausted=True)
                 if top_p90 <= slo_s:
-                    return SizingResult(
-                        top_bytes, replays, len(estimates), len(configs), top_p90, exhausted=True
-                    )
-                return SizingResult(
-                    None, replays, len(estimates), len(configs), best[0], best[1], exhausted=True
-                )
-            p90s = pool.run([sized(hier, tuple(c * bb for c in caps)) for _, caps, _ in batch])
-            for (cost, caps, est), p90 in zip(batch, p90s, strict=True):
+                    return result(top_bytes, top_p90, exhausted=True)
+                return result(None, best[0], best[1], exhausted=True)
+            done = pool.run([sized(hier, tuple(c * bb for c in caps)) for _, caps, _ in batch])
+            for (cost, caps, est), (p90, summary) in zip(batch, done, strict=True):
                 replays += 1
                 tried.add(caps)
                 cb = tuple(c * bb for c in caps)
+                summaries[cb] = summary
                 lead = max(lead, _lead(est, p90))
                 if p90 <= slo_s:
                     found = (cost, cb, p90)
@@ -238,7 +250,7 @@ def _walk(
             # better than LRU: walk them with a wider screen (LRU's estimate is exact: no need)
             wider = min(REFINE_MARGIN, max(lead, 2 * m))
             if wider <= m:
-                return SizingResult(found[1], replays, len(estimates), len(configs), found[2])
+                return result(found[1], found[2])
             m = wider
             continue
         # widen only when the largest configuration shows the SLO can be met (the policy may
@@ -247,8 +259,8 @@ def _walk(
             break
         m = min(MAX_MARGIN, max(2 * m, DEFAULT_MARGIN))
     if top_p90 <= slo_s:
-        return SizingResult(top_bytes, replays, len(estimates), len(configs), top_p90)
-    return SizingResult(None, replays, len(estimates), len(configs), best[0], best[1])
+        return result(top_bytes, top_p90)
+    return result(None, best[0], best[1])
 
 
 def _lead(estimate: float, replayed: float) -> float:
@@ -359,8 +371,7 @@ def run_trace_plan(args: argparse.Namespace) -> int:
     )
     caps = found.caps_bytes or tuple(0 for _ in hier.tiers)
     # infeasible: the output describes the best configuration replayed (best_bytes)
-    chosen = sized(hier, found.caps_bytes or found.best_bytes)
-    summary = summarize(trace, chosen, replay(trace, chosen.specs(), hints=args.hints))
+    summary = found.summary
     feasible = found.caps_bytes is not None
     summary.update(
         {
