@@ -17,6 +17,7 @@ Model (the same decisions ``TieredStore`` makes, with counters in place of a dat
   tier (in prefix order), whose policy makes room the same way with ``always``; the last tier drops.
   A demotion larger than the next tier passes its excess on down (an empty tier passes all).
   For LRU this makes the hierarchy one LRU stack cut into segments (``kvtier.sim.sizing``).
+  The tiers' state and these moves are ``kvtier.sim.tierchain.TierChain``.
 
 Keys are the trace's int block ids; policies are the generic ``kvtier.policy`` classes (plus the
 offline ``belady``). A single tier is replayed by its own loop, which reads residency from the
@@ -28,9 +29,8 @@ replaying again.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import pairwise
 
 import numpy as np
 import numpy.typing as npt
@@ -41,6 +41,7 @@ from kvtier.policy.admission import output_class
 from kvtier.policy.base import always
 from kvtier.policy.s3fifo import BlockS3FIFO
 from kvtier.sim.belady import Belady, FutureOracle
+from kvtier.sim.tierchain import TierChain, not_in
 from kvtier.sim.trace import Request, Trace
 
 #: offered by the simulator only: the offline ceiling and the prefix-unaware baseline
@@ -118,119 +119,33 @@ def replay(
     specs = tuple(tiers)
     n_tiers = len(specs)
     oracle = FutureOracle(trace) if any(s.policy.lower() == "belady" for s in specs) else None
-    pols = [_build_policy(s, oracle) for s in specs]
-    for upper, pol in pairwise(pols):
-        pol.feed_by_demotion(upper)  # an insert there is a batch of victims, not a request's chain
-    caps = [s.capacity_blocks for s in specs]
-    where: dict[int, int] = {}
+    held = TierChain([_build_policy(s, oracle) for s in specs], [s.capacity_blocks for s in specs])
     bt = trace.block_tokens
     n_req = len(trace.requests)
     hits = [[0] * n_req for _ in range(n_tiers)]
-    promoted = [0] * n_tiers
-    written = [0] * n_tiers
-    evicted = [0] * n_tiers
     block_hits = 0
-
-    def admit(
-        t: int,
-        keys: list[int],
-        chain: Sequence[int] = (),
-        pin: bool = False,
-        hint: Hashable | None = None,
-    ) -> None:
-        """Make ``keys`` resident in tier ``t``, demoting victims further down.
-
-        ``chain`` (first tier only) is the served request's chain: the policy is told about the
-        whole chain in prefix order, and with ``pin`` (some of it is resident already) its blocks
-        are pinned while room is made. Demoted
-        ``keys`` (lower tiers) come most recent first; those beyond the tier's capacity pass on
-        down with its own victims (a bulk demotion larger than a tier spills, it is not lost).
-        """
-        cap = caps[t]
-        overflow: list[int] = []
-        if len(keys) > cap:
-            keys, overflow = keys[:cap], keys[cap:]
-            if t == 0:
-                overflow = []  # the served request's tail does not fit: it is not kept
-        down: list[int] = overflow
-        if keys:
-            pol = pols[t]
-            need = len(pol) + len(keys) - cap
-            if need > 0:
-                victims = pol.evict(need, _not_in(chain) if pin else always)
-                assert victims is not None, "policy refused to evict unpinned blocks"
-                for v in victims:
-                    del where[v]
-                evicted[t] += len(victims)
-                victims.reverse()  # policies give leaf-first victims; tiers take prefix order
-                down = overflow + victims if overflow else victims
-            pol.insert(chain or keys, hint)
-            where.update(dict.fromkeys(keys, t))
-            written[t] += len(keys)
-        if down and t + 1 < n_tiers:
-            admit(t + 1, down)
-
-    cap0 = caps[0]
-    get = where.get
+    cap0 = specs[0].capacity_blocks
     requests = _served(trace, cap0, oracle, progress)
     if n_tiers == 1:  # the common case: no tier below, residency read from the policy
-        block_hits = _serve_one_tier(requests, bt, pols[0], cap0, hits[0], written, evicted, hints)
+        block_hits = _serve_one_tier(
+            requests, bt, held.pols[0], cap0, hits[0], held.written, held.evicted, hints
+        )
     else:
         for i, req, chain in requests:
-            blocks = req.blocks
-            n = len(blocks)
-            # one pass: the leading run of present blocks (each block is read before it moves;
-            # tokens credited to the tier holding it), and the blocks to compute or promote
-            run = 0
-            t_run = 0
-            low = 0  # blocks of the run found below the first tier (credited as they are read)
-            new: list[int] = []
-            for k in chain:
-                t = get(k)
-                if t is None:
-                    if run >= 0:
-                        run = -run - 1  # the run ended: stored as -(length + 1)
-                    new.append(k)
-                    continue
-                if run >= 0:
-                    run += 1
-                    t_run = t
-                if t:  # promote: exclusive tiers, the block moves up
-                    if run >= 0:
-                        hits[t][i] += bt
-                        low += 1
-                    pols[t].remove(k)
-                    del where[k]
-                    promoted[t] += 1
-                    new.append(k)
-            hits[0][i] += bt * ((run if run >= 0 else -run - 1) - low)
-            if run >= 0:
-                for k in blocks[len(chain) :]:  # beyond the first tier's size: counted, not kept
-                    t = get(k)
-                    if t is None:
-                        break
-                    hits[t][i] += bt
-                    run += 1
-                    t_run = t
-            else:
-                run = -run - 1
-            if run == n and n:
-                hits[t_run][i] += req.input_length - bt * n  # the last block may be partial
+            located = held.locate(req.blocks)  # (blocks past the chain: counted, not kept)
+            run = credit(located, req, bt, hits, i)
             block_hits += run
             hint = output_class(req.output_length, run > 0) if hints else None
-            if new:
-                admit(0, new, chain, len(new) < len(chain), hint)
-            else:
-                pols[0].insert(chain, hint)  # all resident: the whole chain counts as accessed
+            held.serve(chain, located[: len(chain)], hint)
     if progress is not None:
         progress(n_req)
     return ReplayResult(
         tiers=specs,
         hit_tokens=np.array(hits, dtype=np.int64).reshape(n_tiers, n_req),
         input_tokens=np.array([r.input_length for r in trace.requests], dtype=np.int64),
-        promoted_blocks=promoted,
-        written_blocks=written,
-        evicted_blocks=evicted,
+        promoted_blocks=held.promoted,
+        written_blocks=held.written,
+        evicted_blocks=held.evicted,
         block_hits=block_hits,
         block_refs=trace.block_events,
         hints=hints,
@@ -289,7 +204,7 @@ def _serve_one_tier(
         if n_new:
             need = len(pol) + n_new - cap
             if need > 0:
-                victims = evict(need, _not_in(chain) if n_new < len(chain) else always)
+                victims = evict(need, not_in(chain) if n_new < len(chain) else always)
                 assert victims is not None, "policy refused to evict unpinned blocks"
                 n_evicted += len(victims)
             n_written += n_new
@@ -299,7 +214,20 @@ def _serve_one_tier(
     return block_hits
 
 
-def _not_in(chain: Sequence[int]) -> Callable[[int], bool]:
-    """``evictable`` predicate pinning the blocks of the request being served."""
-    pinned = set(chain)
-    return lambda k: k not in pinned
+def credit(
+    located: Sequence[int | None], req: Request, bt: int, hits: list[list[int]], i: int
+) -> int:
+    """Credit request ``i``'s cached tokens to the tiers holding its leading run of blocks
+    (``located``: each block's tier before serving, None if absent) in ``hits[tier][i]``: each
+    block ``bt`` tokens, the last block of a fully cached request what is left of its input.
+    Returns the run's length in blocks."""
+    run = 0
+    for t in located:
+        if t is None:
+            break
+        hits[t][i] += bt
+        run += 1
+    n = len(located)
+    if run == n and n:
+        hits[located[-1]][i] += req.input_length - bt * n  # type: ignore[index]
+    return run
