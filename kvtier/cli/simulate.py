@@ -19,6 +19,9 @@ from typing import Any
 from kvtier.errors import ConfigError
 from kvtier.sim.options import add_hints_argument, add_jobs_argument, jobs_from
 
+#: tiers a cluster shares (``--nodes``): the first one of these kinds and every tier after it
+SHARED_KINDS = ("pool", "object", "s3")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvtier.sim.replay import SIM_POLICIES  # the command needs it anyway
@@ -61,6 +64,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--capacities", help="sweep: comma-separated capacities in blocks (>= 1; sorted)"
     )
     add_jobs_argument(p, "sweep: replays")
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="engine nodes, each with its own hbm/dram/nvme tiers; pool and object tiers are "
+        "shared by all, written through (default 1)",
+    )
+    p.add_argument(
+        "--route",
+        choices=["rr", "prefix"],
+        help="with --nodes > 1: requests to nodes round robin (default) or by first block",
+    )
     p.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR (created if needed)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_hints_argument(p)
@@ -158,6 +173,15 @@ def run(args: argparse.Namespace) -> int:
         caps = parse_capacities(args.capacities)
     if args.jobs is not None and not args.sweep:
         raise ConfigError("--jobs sets how many replays of the sweep run at once; add --sweep")
+    if args.nodes < 1:
+        raise ConfigError(f"--nodes must be >= 1, got {args.nodes}")
+    if args.route is not None and args.nodes == 1:
+        raise ConfigError("--route sends requests to nodes; add --nodes N (N > 1)")
+    if args.nodes > 1 and (args.sweep or args.capacity_blocks is not None):
+        raise ConfigError(
+            "--nodes replays a hierarchy (--tier or --config); --sweep and --capacity-blocks "
+            "replay one tier"
+        )
     jobs = jobs_from(args)
     if args.capacity_blocks is not None and args.capacity_blocks < 0:
         raise ConfigError(f"--capacity-blocks must be >= 0, got {args.capacity_blocks}")
@@ -209,7 +233,18 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     with _LazyProgress(len(trace), "replaying") as progress:
-        res = replay(trace, hier.specs(), progress, hints=args.hints)
+        if args.nodes > 1:
+            from kvtier.sim.cluster import replay_cluster
+
+            shared = next(
+                (i for i, t in enumerate(hier.tiers) if t.name.lower() in SHARED_KINDS),
+                len(hier.tiers),
+            )
+            res = replay_cluster(
+                trace, hier.specs(), args.nodes, shared, args.route or "rr", args.hints, progress
+            )
+        else:
+            res = replay(trace, hier.specs(), progress, hints=args.hints)
     summary = summarize(trace, hier, res)
     if plot_dir is not None:
         from kvtier.sim.cost import price

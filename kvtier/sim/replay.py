@@ -79,6 +79,12 @@ class ReplayResult:
     block_hits: int = 0  # leading-run hit blocks, all tiers
     block_refs: int = 0  # block references in the trace
     hints: bool = False  # the first tier's policy got each request's reuse class
+    #: a cluster replay (``kvtier.sim.cluster``): nodes, each request's node, the first tier
+    #: shared by all nodes (the ones before it exist once per node; counters are summed), routing
+    nodes: int = 1
+    node_of: npt.NDArray[np.int64] | None = None
+    shared_from: int | None = None
+    route: str = ""
 
     @property
     def token_hit_ratio(self) -> float:
@@ -90,7 +96,8 @@ class ReplayResult:
         return float(self.hit_tokens[t].sum()) / total if total else 0.0
 
 
-def _build_policy(spec: TierSpec, oracle: FutureOracle | None) -> EvictionPolicy[int]:
+def build_policy(spec: TierSpec, oracle: FutureOracle | None) -> EvictionPolicy[int]:
+    """A fresh policy for ``spec`` (``belady`` needs the trace's ``oracle``)."""
     if spec.policy.lower() == "belady":
         assert oracle is not None
         return Belady(spec.capacity_blocks, oracle)
@@ -119,7 +126,7 @@ def replay(
     specs = tuple(tiers)
     n_tiers = len(specs)
     oracle = FutureOracle(trace) if any(s.policy.lower() == "belady" for s in specs) else None
-    held = TierChain([_build_policy(s, oracle) for s in specs], [s.capacity_blocks for s in specs])
+    held = TierChain([build_policy(s, oracle) for s in specs], [s.capacity_blocks for s in specs])
     bt = trace.block_tokens
     n_req = len(trace.requests)
     hits = [[0] * n_req for _ in range(n_tiers)]

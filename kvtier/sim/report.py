@@ -37,24 +37,35 @@ def summarize(trace: Trace, hier: Hierarchy, res: ReplayResult) -> dict[str, Any
     costs = [t.cost for t in hier.tiers]
     timing = price(res.hit_tokens, res.input_tokens, costs, hier.compute, hier.gpu)
     input_tokens = int(res.input_tokens.sum())
-    busy = float(timing.ttft_s.sum())
+    nodes = res.nodes
+    shared_from = len(hier.tiers) if res.shared_from is None else res.shared_from
+    # each node prefills its own requests back to back; the trace is done when the last is
+    node_of = res.node_of if res.node_of is not None else np.zeros(len(timing.ttft_s), np.int64)
+    busy_by_node = np.bincount(node_of, weights=timing.ttft_s, minlength=nodes)
+    busy = float(busy_by_node.sum())
+    makespan = float(busy_by_node.max()) if nodes else 0.0
     bb = hier.block_bytes
     bpt = hier.layout.bytes_per_token
     tiers = []
-    tier_watts = 0.0
+    node_watts = shared_watts = 0.0  # of one node's own tiers; of the shared tiers
     monthly = 0.0
     for t, (tier, spec) in enumerate(zip(hier.tiers, res.tiers, strict=True)):
+        copies = nodes if t < shared_from else 1
         gb = tier.capacity_bytes / 1e9
-        usd = gb * tier.cost.usd_per_gb_month
+        usd = gb * tier.cost.usd_per_gb_month * copies
         watts = gb * tier.cost.watts_per_gb
         monthly += usd
-        tier_watts += watts
+        if t < shared_from:
+            node_watts += watts
+        else:
+            shared_watts += watts
         tiers.append(
             {
                 "name": tier.name,
                 "policy": spec.policy,
                 "capacity_bytes": tier.capacity_bytes,
                 "capacity_blocks": spec.capacity_blocks,
+                "copies": copies,
                 "token_hit_ratio": res.tier_hit_ratio(t),
                 "hit_tokens": int(res.hit_tokens[t].sum()),
                 "loaded_tokens": int(timing.loaded_tokens[t]),
@@ -66,11 +77,11 @@ def summarize(trace: Trace, hier: Hierarchy, res: ReplayResult) -> dict[str, Any
                 "latency_s": tier.cost.latency_s,
                 "usd_per_gb_month": tier.cost.usd_per_gb_month,
                 "monthly_cost_usd": usd,
-                "watts": watts,
+                "watts": watts * copies,
             }
         )
     gpu = hier.gpu
-    energy = (gpu.watts * gpu.count + tier_watts) * busy
+    energy = (gpu.watts * gpu.count + node_watts) * busy + shared_watts * makespan
     p50, p90, p99 = (float(x) for x in np.percentile(timing.ttft_s, [50, 90, 99]))
     return {
         "trace": trace.name,
@@ -82,9 +93,11 @@ def summarize(trace: Trace, hier: Hierarchy, res: ReplayResult) -> dict[str, Any
         "hit_definition": HIT_DEFINITION,
         "tiers": tiers,
         "ttft_s": {"p50": p50, "p90": p90, "p99": p99, "mean": float(timing.ttft_s.mean())},
-        "throughput_tokens_per_s": input_tokens / busy if busy else 0.0,
+        "throughput_tokens_per_s": input_tokens / makespan if makespan else 0.0,
         "tokens_per_joule": input_tokens / energy if energy else 0.0,
         "monthly_cost_usd": monthly,
+        "nodes": nodes,
+        "busy_s": [float(b) for b in busy_by_node],
         "assumptions": {
             "model": hier.model_name,
             "dtype": hier.layout.dtype,
@@ -100,11 +113,32 @@ def summarize(trace: Trace, hier: Hierarchy, res: ReplayResult) -> dict[str, Any
             "reuse_hints": REUSE_HINTS if res.hints else "none (unlabelled inserts)",
             "ttft": "fetch (latency + bytes/bandwidth per tier) + prefill compute, no overlap, "
             "no queueing; a tier is read only when faster than recomputing its tokens",
-            "throughput": "input tokens / sum of TTFTs (one instance prefilling back to back)",
-            "energy": "(GPU watts x GPUs + tier watts/GB x GB) x busy time",
-            "monthly_cost": "tier capacity x $/GB/month (GPU rental excluded)",
+            "throughput": "input tokens / sum of TTFTs (one instance prefilling back to back)"
+            if nodes == 1
+            else "input tokens / the busiest node's sum of TTFTs (each node prefills its "
+            "requests back to back; the trace is done when the busiest one is)",
+            "energy": "(GPU watts x GPUs + tier watts/GB x GB) x busy time"
+            if nodes == 1
+            else "per node (GPU watts x GPUs + its tiers' watts) x its busy time, plus the "
+            "shared tiers' watts x the busiest node's busy time",
+            "monthly_cost": "tier capacity x $/GB/month (GPU rental excluded)"
+            + ("" if nodes == 1 else "; a node's own tiers once per node"),
+            **({} if nodes == 1 else {"cluster": _cluster(res, hier, shared_from)}),
         },
     }
+
+
+def _cluster(res: ReplayResult, hier: Hierarchy, shared_from: int) -> str:
+    own = ", ".join(t.name for t in hier.tiers[:shared_from])
+    shared = ", ".join(t.name for t in hier.tiers[shared_from:]) or "none"
+    how = {
+        "rr": "round robin",
+        "prefix": "by first block (requests that start alike meet on one node)",
+    }.get(res.route, res.route)
+    return (
+        f"{res.nodes} nodes with {hier.gpu.count} GPUs and their own {own} each; shared "
+        f"(written through by every node): {shared}; requests routed {how}"
+    )
 
 
 def render(summary: dict[str, Any], title: str = "kvtier simulate") -> str:
@@ -122,7 +156,7 @@ def render(summary: dict[str, Any], title: str = "kvtier simulate") -> str:
         table.add_row(
             t["name"],
             t["policy"],
-            _gb(t["capacity_bytes"]),
+            (f"{t['copies']}x " if t["copies"] > 1 else "") + _gb(t["capacity_bytes"]),
             str(t["capacity_blocks"]),
             f"{t['token_hit_ratio']:.3f}",
             _gb(t["bytes_read"]),
@@ -140,6 +174,9 @@ def render(summary: dict[str, Any], title: str = "kvtier simulate") -> str:
         f"{summary['throughput_tokens_per_s']:,.0f} tokens/s   "
         f"{summary['tokens_per_joule']:.2f} tokens/J   ${summary['monthly_cost_usd']:,.0f}/month"
     )
+    if summary["nodes"] > 1:
+        busy = ", ".join(f"{b:,.0f}" for b in summary["busy_s"])
+        console.print(f"busy time per node: {busy} s")
     console.print(f"hit definition: {summary['hit_definition']}")
     console.print("assumptions: " + "; ".join(f"{k}={v}" for k, v in a.items()))
     return buf.getvalue()

@@ -1,0 +1,138 @@
+"""Replay a trace on a cluster: engine nodes with tiers of their own, sharing the pool tiers.
+
+What a one-node replay cannot show is what a cluster-shared tier is for: a prefix computed on
+one node, read on another. Model (the one-node rules of ``kvtier.sim.replay`` otherwise):
+
+* **Routing.** Request ``i`` goes to one of ``nodes`` nodes: ``rr`` sends it to node ``i mod
+  nodes`` (a load balancer that ignores prefixes); ``prefix`` sends it by its first block, so
+  requests that start alike (a system prompt, a document, a conversation) meet on one node, as a
+  prefix-aware router does (at the price of balance: see ``busy_s`` in the report).
+* **Node tiers.** The tiers before the first shared one (HBM, DRAM, NVMe) exist once per node,
+  each node's an exclusive hierarchy of its own (``kvtier.sim.tierchain.TierChain``).
+* **Shared tiers** (from ``shared_from`` on: the pool, object storage) exist once for the
+  cluster and are *written through*: when any node has served a request, the shared tiers serve
+  its chain too (missing blocks written, blocks found in a lower shared tier moved up, the whole
+  chain an access to the first shared tier's policy), so every other node can hit them. A block
+  can be in a node's tiers and in the shared ones at once.
+* **Hits.** A request's leading run is over its node's tiers and the shared ones together; each
+  block is credited to the node tier holding it, else to the shared tier. A block found only in
+  the shared tiers is copied into the node's first tier.
+
+Belady's MIN is not offered here: each node's future depends on the routing of every request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvtier.errors import ConfigError
+from kvtier.policy.admission import output_class
+from kvtier.sim.replay import ReplayResult, TierSpec, build_policy, credit
+from kvtier.sim.tierchain import TierChain
+from kvtier.sim.trace import Trace
+
+ROUTES = ("rr", "prefix")
+#: a multiplicative hash of the first block id (ids of synthetic traces are small and dense)
+_MIX = 0x9E3779B97F4A7C15
+
+
+def route_of(trace: Trace, nodes: int, route: str) -> np.ndarray:
+    """The node of every request (``ROUTES``)."""
+    n_req = len(trace.requests)
+    if route == "rr":
+        return np.arange(n_req, dtype=np.int64) % nodes
+    if route == "prefix":
+        return (
+            np.array(
+                [
+                    ((r.blocks[0] * _MIX) & (2**64 - 1)) >> 32 if r.blocks else i
+                    for i, r in enumerate(trace.requests)
+                ],
+                dtype=np.int64,
+            )
+            % nodes
+        )
+    raise ConfigError(f"--route {route!r} is unknown; choose {' or '.join(ROUTES)}")
+
+
+def replay_cluster(
+    trace: Trace,
+    tiers: Sequence[TierSpec],
+    nodes: int,
+    shared_from: int,
+    route: str = "rr",
+    hints: bool = True,
+    progress: Callable[[int], None] | None = None,
+) -> ReplayResult:
+    """Replay ``trace`` on ``nodes`` nodes with ``tiers`` (fastest first): ``tiers[:shared_from]``
+    per node, ``tiers[shared_from:]`` shared (module docstring). Counters are summed over the
+    nodes; ``hints`` and ``progress`` as ``replay``."""
+    specs = tuple(tiers)
+    if nodes < 1:
+        raise ConfigError(f"--nodes must be >= 1, got {nodes}")
+    if not 1 <= shared_from <= len(specs):
+        raise ConfigError(
+            "a cluster needs a first tier of each node's own (hbm) before the shared ones"
+        )
+    if any(s.policy.lower() == "belady" for s in specs):
+        raise ConfigError(
+            "belady is not offered for a cluster (--nodes > 1): pick an online policy"
+        )
+    own, shared_specs = specs[:shared_from], specs[shared_from:]
+
+    def chain_of(tier_specs: Sequence[TierSpec]) -> TierChain:
+        pols = [build_policy(s, None) for s in tier_specs]
+        return TierChain(pols, [s.capacity_blocks for s in tier_specs])
+
+    node_tiers = [chain_of(own) for _ in range(nodes)]
+    shared = chain_of(shared_specs) if shared_specs else None
+    node_of = route_of(trace, nodes, route)
+    bt = trace.block_tokens
+    n_req = len(trace.requests)
+    hits = [[0] * n_req for _ in specs]
+    cap0 = own[0].capacity_blocks
+    scap = shared_specs[0].capacity_blocks if shared_specs else 0
+    block_hits = 0
+    for i, (req, n) in enumerate(zip(trace.requests, node_of.tolist(), strict=True)):
+        node = node_tiers[n]
+        blocks = req.blocks
+        located = node.locate(blocks)
+        s_located = shared.locate(blocks) if shared is not None else []
+        both = [
+            t if t is not None or s is None else s + shared_from
+            for t, s in zip(located, s_located or [None] * len(blocks), strict=True)
+        ]
+        run = credit(both, req, bt, hits, i)
+        block_hits += run
+        hint = output_class(req.output_length, run > 0) if hints else None
+        chain = blocks if len(blocks) <= cap0 else blocks[:cap0]
+        node.serve(chain, located[: len(chain)], hint)
+        if shared is not None and scap:
+            schain = blocks if len(blocks) <= scap else blocks[:scap]
+            shared.serve(schain, s_located[: len(schain)], hint)
+        if progress is not None and i & 255 == 255:
+            progress(i + 1)
+    if progress is not None:
+        progress(n_req)
+
+    def total(counts: Callable[[TierChain], list[int]]) -> list[int]:
+        per_node = [sum(c) for c in zip(*(counts(x) for x in node_tiers), strict=True)]
+        return per_node + (counts(shared) if shared is not None else [])
+
+    return ReplayResult(
+        tiers=specs,
+        hit_tokens=np.array(hits, dtype=np.int64).reshape(len(specs), n_req),
+        input_tokens=np.array([r.input_length for r in trace.requests], dtype=np.int64),
+        promoted_blocks=total(lambda x: x.promoted),
+        written_blocks=total(lambda x: x.written),
+        evicted_blocks=total(lambda x: x.evicted),
+        block_hits=block_hits,
+        block_refs=trace.block_events,
+        hints=hints,
+        nodes=nodes,
+        node_of=node_of,
+        shared_from=shared_from,
+        route=route,
+    )

@@ -1,0 +1,114 @@
+"""Cluster replays (kvtier/sim/cluster.py): nodes with tiers of their own, shared pool tiers."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvtier.cli.main import main
+from kvtier.errors import ConfigError
+from kvtier.sim.cluster import replay_cluster, route_of
+from kvtier.sim.replay import TierSpec, replay
+from kvtier.sim.trace import Request, Trace
+from kvtier.sim.workload import generate
+from tests.test_sim import ideal_cached_tokens, tree_trace
+
+
+def _counters(res: object) -> tuple[object, ...]:
+    return tuple(
+        getattr(res, f)
+        for f in ("promoted_blocks", "written_blocks", "evicted_blocks", "block_hits")
+    ) + (res.hit_tokens.tolist(),)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo", "density"])
+def test_one_node_without_shared_tiers_is_the_one_node_replay(policy: str) -> None:
+    trace = generate("mixed", 600, seed=2)
+    tiers = [TierSpec("hbm", 60, policy), TierSpec("dram", 200, policy)]
+    assert _counters(replay_cluster(trace, tiers, 1, 2)) == _counters(replay(trace, tiers))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_pool_that_holds_everything_serves_every_reuse_on_any_node(seed: int) -> None:
+    """Round robin over 4 nodes with small caches of their own: without a shared tier they hit
+    less than one node would; with a pool that holds every block, every block seen before on
+    any node is a hit (the trace's ideal, counted independently), and what the nodes' own tiers
+    miss of it comes from the pool."""
+    trace = tree_trace(seed, n_req=400, nodes=150)
+    own = [TierSpec("hbm", 6, "lru"), TierSpec("dram", 10, "lru")]
+    pool = [TierSpec("pool", 10_000, "lru")]
+    alone = replay_cluster(trace, own, 4, 2)
+    shared = replay_cluster(trace, own + pool, 4, 2)
+    ideal = ideal_cached_tokens(trace)
+    assert shared.hit_tokens.sum() == ideal
+    assert alone.hit_tokens.sum() < replay(trace, own).hit_tokens.sum() <= ideal
+    assert shared.hit_tokens[2].sum() > 0
+    assert shared.hit_tokens[:2].sum() == alone.hit_tokens.sum()  # write-through changes no node
+    assert shared.written_blocks[2] == len({k for r in trace.requests for k in r.blocks})
+
+
+def test_prefix_routing_keeps_requests_that_start_alike_on_one_node() -> None:
+    trace = generate("rag", 300, seed=1)  # every rag prompt starts with the same system prompt
+    assert len(set(route_of(trace, 4, "prefix").tolist())) == 1
+    tiers = [TierSpec("hbm", 50, "s3fifo"), TierSpec("dram", 100, "s3fifo")]
+    one = replay(trace, tiers)
+    assert _counters(replay_cluster(trace, tiers, 4, 2, route="prefix")) == _counters(one)
+    chat = generate("chat", 300, seed=1)
+    firsts = {r.blocks[0] for r in chat.requests}
+    nodes = route_of(chat, 4, "prefix")
+    by_first = {r.blocks[0]: n for r, n in zip(chat.requests, nodes.tolist(), strict=True)}
+    assert all(by_first[r.blocks[0]] == n for r, n in zip(chat.requests, nodes, strict=True))
+    assert len(firsts) > 1
+
+
+def test_cluster_report_counts_each_nodes_tiers_and_the_busiest_node(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["simulate", "--synthetic", "chat", "--requests", "300", "--json"]
+    tiers = ["--tier", "hbm=40GB", "--tier", "dram=200GB", "--tier", "pool=2TB"]
+    assert main([*argv, *tiers]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main([*argv, *tiers, "--nodes", "3"]) == 0
+    three = json.loads(capsys.readouterr().out)
+    assert [t["copies"] for t in three["tiers"]] == [3, 3, 1]
+    own_usd = sum(t["monthly_cost_usd"] for t in one["tiers"][:2])
+    pool_usd = one["tiers"][2]["monthly_cost_usd"]
+    assert three["monthly_cost_usd"] == pytest.approx(3 * own_usd + pool_usd)
+    assert len(one["busy_s"]) == 1 and len(three["busy_s"]) == 3
+    assert one["throughput_tokens_per_s"] == pytest.approx(one["input_tokens"] / one["busy_s"][0])
+    tokens = three["input_tokens"]
+    assert three["throughput_tokens_per_s"] == pytest.approx(tokens / max(three["busy_s"]))
+    assert "3 nodes" in three["assumptions"]["cluster"]
+    assert three["tiers"][2]["hit_tokens"] > 0  # other nodes' blocks, read from the pool
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--nodes", "0"], "--nodes must be >= 1, got 0"),
+        (["--route", "prefix"], "--route sends requests to nodes; add --nodes N"),
+        (["--nodes", "2", "--sweep"], "--nodes replays a hierarchy"),
+        (["--nodes", "2", "--capacity-blocks", "10"], "--nodes replays a hierarchy"),
+        (["--nodes", "2", "--policy", "belady"], "belady is not offered for a cluster"),
+        (["--nodes", "2", "--route", "hash"], "invalid choice: 'hash'"),
+    ],
+)
+def test_cluster_flags_are_checked(
+    extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["simulate", "--synthetic", "chat", "--requests", "20", "--tier", "hbm=40GB"]
+    try:
+        rc = main([*argv, *extra])
+    except SystemExit as exc:  # argparse's own check (--route's choices)
+        rc = exc.code
+    assert rc == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_shared_tiers_need_a_first_tier_of_the_nodes_own() -> None:
+    trace = Trace((Request(0.0, 10, 1, (1,)),))
+    with pytest.raises(ConfigError, match="first tier of each node"):
+        replay_cluster(trace, [TierSpec("pool", 10, "lru")], 2, 0)
+    assert np.array_equal(route_of(trace, 3, "rr"), [0])
