@@ -60,15 +60,21 @@ def brute_lru_hits(trace: Trace, cap: int) -> int:
         while n < len(r.blocks) and r.blocks[n] in order:
             n += 1
         hits += n
-        chain = list(r.blocks[:cap])
-        need = len(order) + len([k for k in chain if k not in order]) - cap
-        for k in [k for k in order if k not in chain][: max(need, 0)]:
-            order.remove(k)
-        for k in reversed(chain):  # root ends most recent
-            if k in order:
-                order.remove(k)
-            order.append(k)
+        brute_lru_serve(order, r.blocks, cap)
     return hits
+
+
+def brute_lru_serve(order: list[int], blocks: tuple[int, ...], cap: int) -> None:
+    """A list-based LRU (``order``, oldest first, of ``cap`` blocks) after serving ``blocks``:
+    its leading ``cap`` blocks resident, the least recent others evicted to make room."""
+    chain = list(blocks[:cap])
+    need = len(order) + len([k for k in chain if k not in order]) - cap
+    for k in [k for k in order if k not in chain][: max(need, 0)]:
+        order.remove(k)
+    for k in reversed(chain):  # root ends most recent
+        if k in order:
+            order.remove(k)
+        order.append(k)
 
 
 def test_infinite_cache_equals_ideal_reuse_on_mooncake() -> None:

@@ -13,7 +13,7 @@ from kvtier.sim.cluster import replay_cluster, route_of
 from kvtier.sim.replay import TierSpec, replay
 from kvtier.sim.trace import Request, Trace
 from kvtier.sim.workload import generate
-from tests.test_sim import ideal_cached_tokens, tree_trace
+from tests.test_sim import brute_lru_serve, ideal_cached_tokens, tree_trace
 
 
 def _counters(res: object) -> tuple[object, ...]:
@@ -28,6 +28,32 @@ def test_one_node_without_shared_tiers_is_the_one_node_replay(policy: str) -> No
     trace = generate("mixed", 600, seed=2)
     tiers = [TierSpec("hbm", 60, policy), TierSpec("dram", 200, policy)]
     assert _counters(replay_cluster(trace, tiers, 1, 2)) == _counters(replay(trace, tiers))
+
+
+def brute_cluster_lru_hits(trace: Trace, nodes: int, cap: int, pool: int) -> int:
+    """Leading-run block hits of round-robin nodes with a list-based LRU each and one LRU pool
+    that every request's chain is written through to; a block counts if either holds it."""
+    own: list[list[int]] = [[] for _ in range(nodes)]
+    shared: list[int] = []
+    hits = 0
+    for i, r in enumerate(trace.requests):
+        node = own[i % nodes]
+        n = 0
+        while n < len(r.blocks) and (r.blocks[n] in node or r.blocks[n] in shared):
+            n += 1
+        hits += n
+        brute_lru_serve(node, r.blocks, cap)
+        brute_lru_serve(shared, r.blocks, pool)
+    return hits
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lru_cluster_equals_a_brute_force_reference(seed: int) -> None:
+    trace = tree_trace(seed, n_req=200, nodes=80)
+    for nodes, cap, pool in ((2, 5, 12), (3, 8, 4), (4, 3, 30)):
+        tiers = [TierSpec("hbm", cap, "lru"), TierSpec("pool", pool, "lru")]
+        res = replay_cluster(trace, tiers, nodes, 1)
+        assert res.block_hits == brute_cluster_lru_hits(trace, nodes, cap, pool)
 
 
 @pytest.mark.parametrize("seed", range(3))
