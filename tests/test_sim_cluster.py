@@ -138,3 +138,20 @@ def test_the_shared_tiers_need_a_first_tier_of_the_nodes_own() -> None:
     with pytest.raises(ConfigError, match="first tier of each node"):
         replay_cluster(trace, [TierSpec("pool", 10, "lru")], 2, 0)
     assert np.array_equal(route_of(trace, 3, "rr"), [0])
+
+
+def test_cache_routing_follows_cached_prefixes_and_keeps_nodes_balanced() -> None:
+    """``cache`` routing: chat sessions stay with the node holding their history (more hits
+    than round robin), yet a prompt every request starts with (rag's system prompt) does not
+    send everything to one node, as routing by first block does."""
+    tiers = [TierSpec("hbm", 40, "lru"), TierSpec("dram", 120, "lru")]
+    chat = generate("chat", 800, seed=4)
+    rr = replay_cluster(chat, tiers, 4, 2, route="rr")
+    cache = replay_cluster(chat, tiers, 4, 2, route="cache")
+    assert cache.token_hit_ratio > 1.2 * rr.token_hit_ratio
+    rag = generate("rag", 800, seed=4)
+    res = replay_cluster(rag, tiers, 4, 2, route="cache")
+    assert res.node_of is not None
+    counts = np.bincount(res.node_of, minlength=4)
+    assert counts.min() > 0.15 * len(rag.requests)
+    assert len(set(route_of(rag, 4, "prefix").tolist())) == 1

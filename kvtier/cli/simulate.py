@@ -73,8 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--route",
-        choices=["rr", "prefix"],
-        help="with --nodes > 1: requests to nodes round robin (default) or by first block",
+        choices=["rr", "prefix", "cache"],
+        help="with --nodes > 1: requests to nodes round robin (default), by first block, or "
+        "to the node caching the longest prefix unless it is overloaded",
     )
     p.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR (created if needed)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

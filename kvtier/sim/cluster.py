@@ -5,8 +5,12 @@ one node, read on another. Model (the one-node rules of ``kvtier.sim.replay`` ot
 
 * **Routing.** Request ``i`` goes to one of ``nodes`` nodes: ``rr`` sends it to node ``i mod
   nodes`` (a load balancer that ignores prefixes); ``prefix`` sends it by its first block, so
-  requests that start alike (a system prompt, a document, a conversation) meet on one node, as a
-  prefix-aware router does (at the price of balance: see ``busy_s`` in the report).
+  requests that start alike (a system prompt, a document, a conversation) meet on one node (at
+  the price of balance: see ``busy_s`` in the report); ``cache`` sends it to the node whose own
+  tiers hold the longest leading run of its blocks (the least loaded of those), unless that
+  node's load -- tokens it prefilled so far -- exceeds the least loaded node's by more than
+  ``BALANCE`` of the mean load, then to the least loaded node (a cache-aware router with a
+  balance guard, as serving routers do).
 * **Node tiers.** The tiers before the first shared one (HBM, DRAM, NVMe) exist once per node,
   each node's an exclusive hierarchy of its own (``kvtier.sim.tierchain.TierChain``).
 * **Shared tiers** (from ``shared_from`` on: the pool, object storage) exist once for the
@@ -33,13 +37,23 @@ from kvtier.sim.replay import ReplayResult, TierSpec, build_policy, credit
 from kvtier.sim.tierchain import TierChain
 from kvtier.sim.trace import Trace
 
-ROUTES = ("rr", "prefix")
+ROUTES = ("rr", "prefix", "cache")
+#: ``cache`` routing: how far above the least loaded node (a fraction of the mean load) a node
+#: may be and still get a request for its cached prefix
+BALANCE = 0.1
+ROUTE_DESCRIPTIONS = {
+    "rr": "round robin",
+    "prefix": "by first block (requests that start alike meet on one node)",
+    "cache": "to the node caching the longest prefix, unless its load is over the least "
+    f"loaded node's by more than {BALANCE:.0%} of the mean",
+}
 #: a multiplicative hash of the first block id (ids of synthetic traces are small and dense)
 _MIX = 0x9E3779B97F4A7C15
 
 
 def route_of(trace: Trace, nodes: int, route: str) -> np.ndarray:
-    """The node of every request (``ROUTES``)."""
+    """The node of every request, for the routes that do not look at the caches (``rr``,
+    ``prefix``)."""
     n_req = len(trace.requests)
     if route == "rr":
         return np.arange(n_req, dtype=np.int64) % nodes
@@ -88,7 +102,9 @@ def replay_cluster(
 
     node_tiers = [chain_of(own) for _ in range(nodes)]
     shared = chain_of(shared_specs) if shared_specs else None
-    node_of = route_of(trace, nodes, route)
+    by_cache = route == "cache"
+    node_of = np.zeros(len(trace.requests), np.int64) if by_cache else route_of(trace, nodes, route)
+    load = [0] * nodes  # tokens prefilled so far, per node (``cache`` routing)
     bt = trace.block_tokens
     n_req = len(trace.requests)
     hits = [[0] * n_req for _ in specs]
@@ -96,8 +112,10 @@ def replay_cluster(
     scap = shared_specs[0].capacity_blocks if shared_specs else 0
     block_hits = 0
     for i, (req, n) in enumerate(zip(trace.requests, node_of.tolist(), strict=True)):
-        node = node_tiers[n]
         blocks = req.blocks
+        if by_cache:
+            n = node_of[i] = _by_cache(node_tiers, blocks, load)
+        node = node_tiers[n]
         located = node.locate(blocks)
         s_located = shared.locate(blocks) if shared is not None else []
         both = [
@@ -106,6 +124,8 @@ def replay_cluster(
         ]
         run = credit(both, req, bt, hits, i)
         block_hits += run
+        if by_cache:
+            load[n] += req.input_length - sum(h[i] for h in hits)
         hint = output_class(req.output_length, run > 0) if hints else None
         chain = blocks if len(blocks) <= cap0 else blocks[:cap0]
         node.serve(chain, located[: len(chain)], hint)
@@ -136,3 +156,22 @@ def replay_cluster(
         shared_from=shared_from,
         route=route,
     )
+
+
+def _by_cache(node_tiers: Sequence[TierChain], blocks: Sequence[int], load: list[int]) -> int:
+    """``cache`` routing (module docstring): the node holding the longest leading run of
+    ``blocks`` in its own tiers, least loaded first among equals, unless it is overloaded."""
+    best, pick = -1, 0
+    for n, node in enumerate(node_tiers):
+        where = node.where
+        run = 0
+        for k in blocks:
+            if k not in where:
+                break
+            run += 1
+        if run > best or (run == best and load[n] < load[pick]):
+            best, pick = run, n
+    least = min(range(len(load)), key=load.__getitem__)
+    if load[pick] - load[least] > BALANCE * sum(load) / len(load):
+        return least
+    return pick

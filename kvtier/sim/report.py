@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.sim.cluster import ROUTE_DESCRIPTIONS
 from kvtier.sim.cost import price
 from kvtier.sim.hierarchy import Hierarchy
 from kvtier.sim.replay import ReplayResult
@@ -131,10 +132,7 @@ def summarize(trace: Trace, hier: Hierarchy, res: ReplayResult) -> dict[str, Any
 def _cluster(res: ReplayResult, hier: Hierarchy, shared_from: int) -> str:
     own = ", ".join(t.name for t in hier.tiers[:shared_from])
     shared = ", ".join(t.name for t in hier.tiers[shared_from:]) or "none"
-    how = {
-        "rr": "round robin",
-        "prefix": "by first block (requests that start alike meet on one node)",
-    }.get(res.route, res.route)
+    how = ROUTE_DESCRIPTIONS.get(res.route, res.route)
     return (
         f"{res.nodes} nodes with {hier.gpu.count} GPUs and their own {own} each; shared "
         f"(written through by every node): {shared}; requests routed {how}"
