@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 from itertools import pairwise
@@ -12,7 +13,7 @@ import pytest
 from kvtier.cli.main import main
 from kvtier.policy import POLICIES
 from kvtier.sim.replay import TierSpec, replay
-from kvtier.sim.trace import Request, Trace, TraceError, iter_trace, read_trace
+from kvtier.sim.trace import Request, Trace, TraceError, iter_trace, read_trace, write_trace
 from kvtier.sim.workload import generate
 
 MOONCAKE = Path("/work/shared/data/traces/mooncake_synthetic.jsonl")
@@ -240,17 +241,31 @@ def test_write_trace_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     dest.write_text("old\n")
     trace = generate("chat", 20, seed=1)
 
-    def torn(t: Trace, fh: object) -> None:
-        fh.write("partial")  # type: ignore[attr-defined]
+    def full(fd: int) -> None:  # the lines were written; the disk fills before they are synced
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(trace_mod, "_write_lines", torn)
+    monkeypatch.setattr(trace_mod.os, "fsync", full)
     with pytest.raises(OSError):
         trace_mod.write_trace(trace, dest)
     assert dest.read_text() == "old\n" and sorted(tmp_path.iterdir()) == [dest]
     monkeypatch.undo()
     trace_mod.write_trace(trace, dest)
     assert read_trace(dest).requests == trace.requests and sorted(tmp_path.iterdir()) == [dest]
+
+
+def test_gzip_traces_are_read_and_written(tmp_path: Path) -> None:
+    """A trace saved as ``.gz`` is gzip-compressed and reads back the same; a damaged gzip file
+    is a clear error, not a crash."""
+    trace = generate("rag", 50, seed=2)
+    plain, packed = tmp_path / "t.jsonl", tmp_path / "t.jsonl.gz"
+    write_trace(trace, plain)
+    write_trace(trace, packed)
+    assert gzip.decompress(packed.read_bytes()) == plain.read_bytes()
+    assert read_trace(packed).requests == trace.requests == read_trace(plain).requests
+    torn = tmp_path / "torn.gz"
+    torn.write_bytes(packed.read_bytes()[:40])
+    with pytest.raises(TraceError, match=r"torn\.gz: a damaged gzip file"):
+        read_trace(torn)
 
 
 @pytest.mark.parametrize(

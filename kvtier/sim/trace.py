@@ -16,10 +16,13 @@ requests are replayed in file order regardless.
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
 import math
 import os
 import uuid
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +32,10 @@ from kvtier.errors import ConfigError
 
 #: Mooncake's block granularity (tokens per hash id)
 MOONCAKE_BLOCK_TOKENS = 512
+
+
+#: the first two bytes of a gzip file
+GZIP_MAGIC = b"\x1f\x8b"
 
 
 class TraceError(ConfigError):
@@ -143,13 +150,18 @@ def iter_trace(
 
 
 def read_trace(path: str | Path, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> Trace:
-    """Read a Mooncake-format JSONL trace; ``TraceError`` names the first bad line (or byte that
-    is not UTF-8)."""
+    """Read a Mooncake-format JSONL trace, gzip-compressed or not (told by its first bytes);
+    ``TraceError`` names the first bad line (or byte that is not UTF-8)."""
     p = Path(path)
     try:
         data = p.read_bytes()
     except OSError as exc:
         raise TraceError(f"cannot open trace {str(p)!r}: {exc.strerror}") from None
+    if data[:2] == GZIP_MAGIC:
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise TraceError(f"{p.name}: a damaged gzip file ({exc})") from None
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -171,14 +183,20 @@ def write_trace(trace: Trace, path: str | Path) -> None:
     """Write ``trace`` as Mooncake JSONL (used to save synthetic workloads).
 
     Atomic: the lines go to a temporary file next to ``path``, which then replaces ``path``, so
-    a failure (``OSError``, raised) leaves any existing file as it was and no partial file.
+    a failure (``OSError``, raised) leaves any existing file as it was and no partial file. A
+    ``path`` ending in ``.gz`` is written gzip-compressed.
     """
     dest = Path(path)
+    text = io.StringIO()
+    _write_lines(trace, text)
+    data = text.getvalue().encode("utf-8")
+    if dest.suffix == ".gz":
+        data = gzip.compress(data, mtime=0)
     tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:12]}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # umask applies, as for open()
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            _write_lines(trace, fh)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, dest)
