@@ -153,6 +153,11 @@ TOML_CASES = [
         '[[tiers]]\nname = "tape"\ncapacity = "1TB"',
         "[[tiers]] #1 ('tape'): tier 'tape' has no default",
     ),
+    ("cluster = 4", "'cluster' must be a table ([cluster] with nodes, route)"),
+    ("[cluster]\nnodes = 0", "[cluster] nodes must be a positive integer, got 0"),
+    ('[cluster]\nnodes = "4"', "[cluster] nodes must be a positive integer, got '4'"),
+    ('[cluster]\nroute = "hash"', "[cluster] route 'hash' is unknown; choose rr, prefix, cache"),
+    ("[cluster]\nracks = 2", "[cluster] unknown key(s) racks; allowed: nodes, route"),
 ]
 
 
@@ -176,6 +181,11 @@ TOML_IDS = [
     "dup-tier",
     "order",
     "custom-no-bandwidth",
+    "cluster-int",
+    "nodes-0",
+    "nodes-str",
+    "route-unknown",
+    "cluster-key",
 ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -155,3 +156,28 @@ def test_cache_routing_follows_cached_prefixes_and_keeps_nodes_balanced() -> Non
     counts = np.bincount(res.node_of, minlength=4)
     assert counts.min() > 0.15 * len(rag.requests)
     assert len(set(route_of(rag, 4, "prefix").tolist())) == 1
+
+
+def test_a_toml_cluster_is_the_flags_cluster(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``[cluster] nodes, route`` in the TOML file replays what ``--nodes``/``--route`` do; the
+    flags override the file."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        '[cluster]\nnodes = 3\nroute = "cache"\n'
+        '[[tiers]]\nname = "hbm"\ncapacity = "40GB"\n'
+        '[[tiers]]\nname = "pool"\ncapacity = "1TB"\n'
+    )
+    argv = ["simulate", "--synthetic", "chat", "--requests", "300", "--json"]
+    flags = ["--tier", "hbm=40GB", "--tier", "pool=1TB", "--nodes", "3", "--route", "cache"]
+    runs = []
+    for extra in (["--config", str(cfg)], flags, ["--config", str(cfg), "--nodes", "2"]):
+        assert main([*argv, *extra]) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    assert runs[0]["nodes"] == 3 and runs[0]["token_hit_ratio"] == runs[1]["token_hit_ratio"]
+    assert runs[0]["busy_s"] == runs[1]["busy_s"]
+    assert (
+        runs[2]["nodes"] == 2
+        and "requests routed to the node caching" in (runs[2]["assumptions"]["cluster"])
+    )

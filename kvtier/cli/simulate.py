@@ -19,12 +19,10 @@ from typing import Any
 from kvtier.errors import ConfigError
 from kvtier.sim.options import add_hints_argument, add_jobs_argument, jobs_from
 
-#: tiers a cluster shares (``--nodes``): the first one of these kinds and every tier after it
-SHARED_KINDS = ("pool", "object", "s3")
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvtier.sim.replay import SIM_POLICIES  # the command needs it anyway
+    from kvtier.sim.hierarchy import ROUTES  # the command needs them anyway
+    from kvtier.sim.replay import SIM_POLICIES
 
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="Mooncake-format JSONL trace")
@@ -67,13 +65,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--nodes",
         type=int,
-        default=1,
         help="engine nodes, each with its own hbm/dram/nvme tiers; pool and object tiers are "
-        "shared by all, written through (default 1)",
+        "shared by all, written through (default: the TOML file's [cluster], else 1)",
     )
     p.add_argument(
         "--route",
-        choices=["rr", "prefix", "cache"],
+        choices=ROUTES,
         help="with --nodes > 1: requests to nodes round robin (default), by first block, or "
         "to the node caching the longest prefix unless it is overloaded",
     )
@@ -174,15 +171,6 @@ def run(args: argparse.Namespace) -> int:
         caps = parse_capacities(args.capacities)
     if args.jobs is not None and not args.sweep:
         raise ConfigError("--jobs sets how many replays of the sweep run at once; add --sweep")
-    if args.nodes < 1:
-        raise ConfigError(f"--nodes must be >= 1, got {args.nodes}")
-    if args.route is not None and args.nodes == 1:
-        raise ConfigError("--route sends requests to nodes; add --nodes N (N > 1)")
-    if args.nodes > 1 and (args.sweep or args.capacity_blocks is not None):
-        raise ConfigError(
-            "--nodes replays a hierarchy (--tier or --config); --sweep and --capacity-blocks "
-            "replay one tier"
-        )
     jobs = jobs_from(args)
     if args.capacity_blocks is not None and args.capacity_blocks < 0:
         raise ConfigError(f"--capacity-blocks must be >= 0, got {args.capacity_blocks}")
@@ -195,8 +183,21 @@ def run(args: argparse.Namespace) -> int:
     trace = _load_trace(args)
     tier_flags = list(args.tier)
     hier = hierarchy.build(
-        args.model, args.dtype, trace.block_tokens, args.policy, tier_flags, args.config, args.gpus
+        args.model,
+        args.dtype,
+        trace.block_tokens,
+        args.policy,
+        tier_flags,
+        args.config,
+        args.gpus,
+        args.nodes,
+        args.route,
     )
+    if hier.nodes > 1 and (args.sweep or args.capacity_blocks is not None):
+        raise ConfigError(
+            "--nodes replays a hierarchy (--tier or --config); --sweep and --capacity-blocks "
+            "replay one tier"
+        )
     if args.capacity_blocks is not None:
         first = hier.tiers[0]
         size = args.capacity_blocks * hier.block_bytes
@@ -234,15 +235,17 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     with _LazyProgress(len(trace), "replaying") as progress:
-        if args.nodes > 1:
+        if hier.nodes > 1:
             from kvtier.sim.cluster import replay_cluster
 
-            shared = next(
-                (i for i, t in enumerate(hier.tiers) if t.name.lower() in SHARED_KINDS),
-                len(hier.tiers),
-            )
             res = replay_cluster(
-                trace, hier.specs(), args.nodes, shared, args.route or "rr", args.hints, progress
+                trace,
+                hier.specs(),
+                hier.nodes,
+                hier.shared_from,
+                hier.route,
+                args.hints,
+                progress,
             )
         else:
             res = replay(trace, hier.specs(), progress, hints=args.hints)

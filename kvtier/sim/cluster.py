@@ -33,11 +33,11 @@ import numpy as np
 
 from kvtier.errors import ConfigError
 from kvtier.policy.admission import output_class
+from kvtier.sim.hierarchy import ROUTES
 from kvtier.sim.replay import ReplayResult, TierSpec, build_policy, credit
 from kvtier.sim.tierchain import TierChain
 from kvtier.sim.trace import Trace
 
-ROUTES = ("rr", "prefix", "cache")
 #: ``cache`` routing: how far above the least loaded node (a fraction of the mean load) a node
 #: may be and still get a request for its cached prefix
 BALANCE = 0.1

@@ -13,6 +13,10 @@
     watts = 700
     count = 8
 
+    [cluster]               # optional: engine nodes (--nodes, --route override)
+    nodes = 4               # each with its own tiers before the first pool/object tier
+    route = "cache"         # rr | prefix | cache (kvtier.sim.cluster)
+
     [[tiers]]
     name = "hbm"            # hbm | dram | nvme | pool | object: picks the default costs
     capacity = "80GB"
@@ -32,7 +36,7 @@ pool, object (custom names may go anywhere), each name once. Every value is chec
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +67,13 @@ _TIER_KEYS = {
     "watts_per_gb",
     "policy",
 }
-_TOP_KEYS = {"model", "dtype", "policy", "gpu", "tiers"}
+_TOP_KEYS = {"model", "dtype", "policy", "gpu", "tiers", "cluster"}
 _GPU_KEYS = {"name", "flops", "mfu", "watts", "count"}
+_CLUSTER_KEYS = {"nodes", "route"}
+#: tier kinds a cluster shares (``nodes > 1``): the first tier of these kinds and all after it
+SHARED_KINDS = ("pool", "object")
+#: how a cluster sends requests to nodes (``kvtier.sim.cluster``)
+ROUTES = ("rr", "prefix", "cache")
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,10 +105,19 @@ class Hierarchy:
     compute: ComputeModel
     gpu: GPU
     tiers: tuple[SimTier, ...] = field(default_factory=tuple)
+    #: engine nodes, each with its own tiers before ``shared_from`` (``kvtier.sim.cluster``)
+    nodes: int = 1
+    route: str = "rr"
 
     @property
     def block_bytes(self) -> int:
         return self.layout.block_bytes
+
+    @property
+    def shared_from(self) -> int:
+        """Index of the first tier a cluster shares (a pool or object tier), else the count."""
+        kinds = [_kind(t.name) for t in self.tiers]
+        return next((i for i, k in enumerate(kinds) if k in SHARED_KINDS), len(kinds))
 
     def specs(self) -> list[TierSpec]:
         """Replay tier specs (capacity in blocks)."""
@@ -108,7 +126,7 @@ class Hierarchy:
         ]
 
     def with_tiers(self, tiers: list[SimTier]) -> Hierarchy:
-        return Hierarchy(self.model_name, self.layout, self.compute, self.gpu, tuple(tiers))
+        return replace(self, tiers=tuple(tiers))
 
 
 def make_tier(
@@ -293,6 +311,8 @@ def build(
     tier_flags: list[str],
     toml_path: str | None = None,
     gpus: int | None = None,
+    nodes: int | None = None,
+    route: str | None = None,
 ) -> Hierarchy:
     """Assemble the hierarchy; flags override the TOML file; errors say what to change."""
     doc: dict[str, Any] = {}
@@ -320,4 +340,29 @@ def build(
         tiers = [make_tier("hbm", "80GB", pol)]
     check_tier_sizes(tuple(tiers), layout, p.name)
     compute = ComputeModel.from_preset(p, layout.bytes_per_token)
-    return Hierarchy(p.name, layout, compute, gpu, tuple(tiers))
+    n, how = _cluster(doc, src, nodes, route)
+    return Hierarchy(p.name, layout, compute, gpu, tuple(tiers), n, how)
+
+
+def _cluster(
+    doc: dict[str, Any], src: str, nodes: int | None, route: str | None
+) -> tuple[int, str]:
+    """Nodes and routing: the flags, else the TOML file's ``[cluster]``, else one node."""
+    c = doc.get("cluster", {})
+    if not isinstance(c, dict):
+        raise ConfigError(f"{src}'cluster' must be a table ([cluster] with nodes, route)")
+    where = f"{src}[cluster] "
+    _check_keys(where, c, _CLUSTER_KEYS)
+    if nodes is None:
+        nodes = c.get("nodes", 1)
+        if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
+            raise ConfigError(f"{where}nodes must be a positive integer, got {nodes!r}")
+    elif nodes < 1:
+        raise ConfigError(f"--nodes must be >= 1, got {nodes}")
+    if route is None:
+        route = _text(c, "route", where, "rr")
+        if route not in ROUTES:
+            raise ConfigError(f"{where}route {route!r} is unknown; choose {', '.join(ROUTES)}")
+    elif nodes == 1:
+        raise ConfigError("--route sends requests to nodes; add --nodes N (N > 1)")
+    return nodes, route
