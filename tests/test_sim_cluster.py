@@ -181,3 +181,15 @@ def test_a_toml_cluster_is_the_flags_cluster(
         runs[2]["nodes"] == 2
         and "requests routed to the node caching" in (runs[2]["assumptions"]["cluster"])
     )
+
+
+def test_an_empty_pool_passes_the_writes_on_to_object_storage() -> None:
+    trace = tree_trace(1, n_req=300, nodes=100)
+    own = TierSpec("hbm", 5, "lru")
+    empty = replay_cluster(
+        trace, [own, TierSpec("pool", 0, "lru"), TierSpec("object", 10_000, "lru")], 3, 1
+    )
+    direct = replay_cluster(trace, [own, TierSpec("object", 10_000, "lru")], 3, 1)
+    assert empty.hit_tokens[2].sum() == direct.hit_tokens[1].sum() > 0
+    assert empty.hit_tokens[1].sum() == 0 and empty.written_blocks[1] == 0
+    assert empty.hit_tokens.sum() == ideal_cached_tokens(trace)

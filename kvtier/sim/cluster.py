@@ -94,7 +94,10 @@ def replay_cluster(
         raise ConfigError(
             "belady is not offered for a cluster (--nodes > 1): pick an online policy"
         )
-    own, shared_specs = specs[:shared_from], specs[shared_from:]
+    own = specs[:shared_from]
+    # the shared tiers that hold anything (an empty pool passes the writes on to object storage)
+    shared_at = [j for j in range(shared_from, len(specs)) if specs[j].capacity_blocks]
+    shared_specs = [specs[j] for j in shared_at]
 
     def chain_of(tier_specs: Sequence[TierSpec]) -> TierChain:
         pols = [build_policy(s, None) for s in tier_specs]
@@ -119,7 +122,7 @@ def replay_cluster(
         located = node.locate(blocks)
         s_located = shared.locate(blocks) if shared is not None else []
         both = [
-            t if t is not None or s is None else s + shared_from
+            t if t is not None or s is None else shared_at[s]
             for t, s in zip(located, s_located or [None] * len(blocks), strict=True)
         ]
         run = credit(both, req, bt, hits, i)
@@ -129,7 +132,7 @@ def replay_cluster(
         hint = output_class(req.output_length, run > 0) if hints else None
         chain = blocks if len(blocks) <= cap0 else blocks[:cap0]
         node.serve(chain, located[: len(chain)], hint)
-        if shared is not None and scap:
+        if shared is not None:
             schain = blocks if len(blocks) <= scap else blocks[:scap]
             shared.serve(schain, s_located[: len(schain)], hint)
         if progress is not None and i & 255 == 255:
@@ -138,8 +141,12 @@ def replay_cluster(
         progress(n_req)
 
     def total(counts: Callable[[TierChain], list[int]]) -> list[int]:
-        per_node = [sum(c) for c in zip(*(counts(x) for x in node_tiers), strict=True)]
-        return per_node + (counts(shared) if shared is not None else [])
+        out = [sum(c) for c in zip(*(counts(x) for x in node_tiers), strict=True)]
+        out += [0] * (len(specs) - shared_from)
+        if shared is not None:
+            for j, c in zip(shared_at, counts(shared), strict=True):
+                out[j] = c
+        return out
 
     return ReplayResult(
         tiers=specs,
