@@ -221,20 +221,21 @@ def _serve_one_tier(
     return block_hits
 
 
-def credit(
-    located: Sequence[int | None], req: Request, bt: int, hits: list[list[int]], i: int
-) -> int:
+def credit(located: list[int | None], req: Request, bt: int, hits: list[list[int]], i: int) -> int:
     """Credit request ``i``'s cached tokens to the tiers holding its leading run of blocks
     (``located``: each block's tier before serving, None if absent) in ``hits[tier][i]``: each
     block ``bt`` tokens, the last block of a fully cached request what is left of its input.
     Returns the run's length in blocks."""
-    run = 0
-    for t in located:
-        if t is None:
-            break
-        hits[t][i] += bt
-        run += 1
     n = len(located)
-    if run == n and n:
-        hits[located[-1]][i] += req.input_length - bt * n  # type: ignore[index]
+    run = located.index(None) if None in located else n
+    if run:
+        head = located[:run]
+        first = head.count(0)
+        hits[0][i] += bt * first
+        if first < run:  # some of the run sits below the first tier
+            for t in head:
+                if t:
+                    hits[t][i] += bt
+        if run == n:
+            hits[located[-1]][i] += req.input_length - bt * n  # type: ignore[index]
     return run

@@ -39,20 +39,27 @@ class TierChain:
         """The tier holding each block now (None: not here)."""
         return list(map(self.where.get, blocks))
 
-    def serve(self, chain: Sequence[int], located: Sequence[int | None], hint: Hashable) -> None:
+    def serve(self, chain: Sequence[int], located: list[int | None], hint: Hashable) -> None:
         """After a request with ``chain`` (its blocks the first tier keeps, prefix order) was
         served, with ``located`` its blocks' tiers before (``locate``): promote the blocks found
         below the first tier, admit the missing ones, and count the chain as an access there."""
-        new: list[int] = []
-        where, pols = self.where, self.pols
-        for k, t in zip(chain, located, strict=True):
-            if t is None:
-                new.append(k)
-            elif t:  # promote: exclusive tiers, the block moves up
-                pols[t].remove(k)
-                del where[k]
-                self.promoted[t] += 1
-                new.append(k)
+        pols = self.pols
+        here = located.count(0)
+        if here + located.count(None) == len(located):  # nothing below the first tier
+            new = (
+                [k for k, t in zip(chain, located, strict=True) if t is None] if here else [*chain]
+            )
+        else:
+            new = []
+            where = self.where
+            for k, t in zip(chain, located, strict=True):
+                if t is None:
+                    new.append(k)
+                elif t:  # promote: exclusive tiers, the block moves up
+                    pols[t].remove(k)
+                    del where[k]
+                    self.promoted[t] += 1
+                    new.append(k)
         if new:
             self.admit(0, new, chain, len(new) < len(chain), hint)
         else:
