@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kvtier.policy.base import always
+from kvtier.policy.chainlinks import ChainLinks
 from kvtier.policy.density import HitDensity
 from kvtier.policy.lifetable import LifeTable, _smoothed, _subtract_at, _windows
 from kvtier.sim.replay import TierSpec, replay
@@ -312,3 +313,22 @@ def test_a_lower_tier_prices_a_touched_block_at_the_top_tiers_clock() -> None:
     ages.clear()
     low.access([1])
     assert ages and min(ages) == 0
+
+
+def test_chain_links_adopt_either_order_and_bound_the_orphans() -> None:
+    """A child that comes down before its parent is linked when the parent arrives; children
+    waiting for parents that never come are forgotten once ``orphan_cap`` parents are awaited;
+    a waiting parent is freed when its last child leaves."""
+    freed: list[int] = []
+    links: ChainLinks[int] = ChainLinks(freed.append, orphan_cap=4)
+    here: set[int] = set()
+    for key, parent in ((2, 1), (3, 2), (1, None)):  # leaf side first, the root last
+        here.add(key)
+        links.adopt(key, parent, here)
+    assert links.parent == {2: 1, 3: 2} and links.kids == {1: 1, 2: 1}
+    links.waiting.add(2)
+    assert links.unlink(3) == 2 and freed == [2] and 2 not in links.waiting
+    for k in range(100, 110):  # parents that never come down
+        here.add(k)
+        links.adopt(k, k + 1000, here)
+    assert len(links.orphans) <= 4
