@@ -35,6 +35,8 @@ def space(trace: Trace, policy: str = "lru") -> tuple[Hierarchy, list[int]]:
         dram="50GB",
         nvme="100GB",
         pool="0",
+        nodes=1,
+        route="rr",
     )
     hier, max_blocks, _ = sizing.search_space(ns, trace)
     return hier, max_blocks

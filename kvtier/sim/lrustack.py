@@ -44,6 +44,22 @@ class StackProfile:
 
 def lru_profile(trace: Trace) -> StackProfile:
     """One pass (Fenwick tree over access times, O(refs log refs)) over ``trace``."""
+    req, dist, reach, tokens, distinct = stack_positions(trace)
+    order = np.argsort(reach, kind="stable")
+    return StackProfile(
+        req=req[order],
+        dist=dist[order],
+        reach=reach[order],
+        tokens=tokens[order],
+        n_requests=len(trace.requests),
+        distinct=distinct,
+    )
+
+
+def stack_positions(trace: Trace) -> tuple[I64, I64, I64, npt.NDArray[np.float64], int]:
+    """Per block reference, in trace order: its request, its LRU stack position before the
+    request is served (``NEVER``: first reference), the largest position of its chain up to it,
+    its tokens; and the number of distinct blocks."""
     n_refs = trace.block_events
     size = n_refs + 1
     tree = [0] * (size + 1)
@@ -92,15 +108,12 @@ def lru_profile(trace: Trace) -> StackProfile:
             while j <= size:
                 tree[j] += 1
                 j += j & -j
-    reach_a = np.array(reach, dtype=np.int64)
-    order = np.argsort(reach_a, kind="stable")
-    return StackProfile(
-        req=np.array(req, dtype=np.int64)[order],
-        dist=np.array(dist, dtype=np.int64)[order],
-        reach=reach_a[order],
-        tokens=np.array(tokens, dtype=np.float64)[order],
-        n_requests=len(trace.requests),
-        distinct=len(last),
+    return (
+        np.array(req, dtype=np.int64),
+        np.array(dist, dtype=np.int64),
+        np.array(reach, dtype=np.int64),
+        np.array(tokens, dtype=np.float64),
+        len(last),
     )
 
 

@@ -36,7 +36,7 @@ import argparse
 import itertools
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,8 @@ from kvtier.errors import ConfigError
 from kvtier.layout import KVLayout, canonical_dtype, preset
 from kvtier.plan import make_plan
 from kvtier.policy import DEFAULT_POLICY
+from kvtier.sim.cluster import replay_cluster
+from kvtier.sim.clusterstack import cluster_profile, estimate_cluster_hits
 from kvtier.sim.cost import GPU, ComputeModel, price, tier_cost
 from kvtier.sim.hierarchy import DEFAULT_MODEL, Hierarchy, SimTier
 from kvtier.sim.lrustack import StackProfile, estimate_hits, lru_profile
@@ -108,7 +110,11 @@ def sized(hier: Hierarchy, caps_bytes: tuple[int, ...]) -> Hierarchy:
 def exact_p90(trace: Trace, hier: Hierarchy, hints: bool = True) -> tuple[float, Any]:
     """Replay ``hier`` (sizes as given; ``hints`` as ``replay``) and return (TTFT p90 in s, the
     replay result)."""
-    res = replay(trace, hier.specs(), hints=hints)
+    if hier.nodes > 1:
+        specs = hier.specs()
+        res = replay_cluster(trace, specs, hier.nodes, hier.shared_from, hier.route, hints)
+    else:
+        res = replay(trace, hier.specs(), hints=hints)
     return _p90(res.hit_tokens.astype(np.float64), res.input_tokens, hier), res
 
 
@@ -145,14 +151,35 @@ def search(
     Up to ``jobs`` candidates are replayed at once (the next ones of the walk, in worker
     processes); the answer and the replays counted are those of one at a time (a candidate
     after the one that met the SLO was replayed for nothing and is not counted)."""
-    prof = prof or lru_profile(trace)
     bb = hier.block_bytes
-    ws = prof.distinct
+    shared = hier.shared_from if hier.nodes > 1 else len(hier.tiers)
+    estimate: Callable[[tuple[int, ...]], npt.NDArray[np.float64]]
+    if hier.nodes > 1:
+        cprof = cluster_profile(trace, hier.nodes, hier.route)
+        ws = cprof.distinct
+
+        def estimate(caps: tuple[int, ...]) -> npt.NDArray[np.float64]:
+            return estimate_cluster_hits(cprof, caps, shared)
+    else:
+        lprof = prof or lru_profile(trace)
+        ws = lprof.distinct
+
+        def estimate(caps: tuple[int, ...]) -> npt.NDArray[np.float64]:
+            return estimate_hits(lprof, caps)
+
     # the first tier holds at least the longest request (the one being served lives there),
-    # which also keeps the LRU estimate exact (the replay truncates longer chains)
+    # which also keeps the LRU estimate exact (the replay truncates longer chains); so does a
+    # cluster's first shared tier (every request is written through to it)
     longest = max(len(r.blocks) for r in trace.requests)
-    grids = [grid(min(m, ws), points, longest if i == 0 else 1) for i, m in enumerate(max_blocks)]
-    price_gb = [t.cost.usd_per_gb_month * bb / 1e9 for t in hier.tiers]
+    grids = [
+        grid(min(m, ws), points, longest if i in (0, shared) else 1)
+        for i, m in enumerate(max_blocks)
+    ]
+    # a node's own tiers are bought once per node
+    price_gb = [
+        t.cost.usd_per_gb_month * bb / 1e9 * (hier.nodes if i < shared else 1)
+        for i, t in enumerate(hier.tiers)
+    ]
     configs = []
     for caps in itertools.product(*grids):
         if caps[0] == 0 and any(caps[1:]):
@@ -165,7 +192,7 @@ def search(
     inp = np.array([r.input_length for r in trace.requests], dtype=np.int64)
     top = tuple(max(g) for g in grids)
     with ReplayPool(trace, hints, replay_p90, jobs) as pool:
-        return _walk(pool, hier, configs, slo_s, margin, max_replays, top, prof, inp)
+        return _walk(pool, hier, configs, slo_s, margin, max_replays, top, estimate, inp)
 
 
 def _walk(
@@ -176,7 +203,7 @@ def _walk(
     margin: float,
     max_replays: int,
     top: tuple[int, ...],
-    prof: StackProfile,
+    estimate_hits: Callable[[tuple[int, ...]], npt.NDArray[np.float64]],
     inp: I64,
 ) -> SizingResult:
     """``search``'s walk over ``configs`` (cost, sizes in blocks; cheapest first), ``top`` the
@@ -204,7 +231,7 @@ def _walk(
     def estimate(caps: tuple[int, ...]) -> float:
         est = estimates.get(caps)
         if est is None:
-            est = estimates[caps] = _p90(estimate_hits(prof, caps), inp, hier)
+            est = estimates[caps] = _p90(estimate_hits(caps), inp, hier)
         return est
 
     # how far the policy has beaten the LRU estimate in the replays so far (0 for LRU itself)
@@ -287,6 +314,19 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-replays", type=int, default=40, help="exact replays at most")
     add_jobs_argument(g, "replays")
+    g.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="size a cluster of this many nodes: hbm/dram/nvme per node, the pool shared "
+        "(kvtier simulate --nodes; default 1)",
+    )
+    g.add_argument(
+        "--route",
+        choices=("rr", "prefix"),
+        default="rr",
+        help="how the cluster's requests reach nodes: round robin or by first block (rr)",
+    )
     add_hints_argument(g)
 
 
@@ -329,9 +369,10 @@ def search_space(args: argparse.Namespace, trace: Trace) -> tuple[Hierarchy, lis
             bounds.append((name, size))
     tiers = tuple(SimTier(n, b, pol, tier_cost(n)) for n, b in bounds)
     gpu = GPU(count=args.gpus)
-    hier = Hierarchy(
-        p.name, layout, ComputeModel.from_preset(p, layout.bytes_per_token), gpu, tiers
-    )
+    if args.nodes < 1:
+        raise ConfigError(f"--nodes must be >= 1, got {args.nodes}")
+    compute = ComputeModel.from_preset(p, layout.bytes_per_token)
+    hier = Hierarchy(p.name, layout, compute, gpu, tiers, args.nodes, args.route)
     return hier, [b // layout.block_bytes for _, b in bounds], hbm
 
 
@@ -380,6 +421,8 @@ def run_trace_plan(args: argparse.Namespace) -> int:
             "chosen_bytes": {t.name: c for t, c in zip(hier.tiers, caps, strict=True)},
             "search": {
                 "policy": args.policy,
+                "nodes": args.nodes,
+                "route": args.route,
                 "tiers_searched": {t.name: t.capacity_bytes for t in hier.tiers},
                 "hbm_kv_budget_bytes": hbm_budget,
                 "grid_points_per_tier": args.grid_points,
