@@ -27,7 +27,10 @@ The search, in two stages:
 
 Costs are ``capacity x $/GB/month`` per tier (GPU rental excluded); the tiers searched are HBM
 (at most what ``--gpus`` x ``--gpu-memory`` leave after weights and a 10% reserve), then
-``--dram``, ``--nvme``, ``--pool`` (each an upper bound; 0 leaves the tier out).
+``--dram``, ``--nvme``, ``--pool`` (each an upper bound; 0 leaves the tier out). With
+``--nodes N`` the sizes are a cluster's (``kvtier.sim.cluster``): HBM, DRAM and NVMe bought once
+per node, the pool once; the screen is then ``kvtier.sim.clusterstack``'s profile (exact for LRU
+with ``rr`` or ``prefix`` routing) and the replays are cluster replays.
 """
 
 from __future__ import annotations
