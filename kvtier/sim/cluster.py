@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from kvtier.errors import ConfigError
 from kvtier.policy.admission import output_class
@@ -51,7 +52,7 @@ ROUTE_DESCRIPTIONS = {
 _MIX = 0x9E3779B97F4A7C15
 
 
-def route_of(trace: Trace, nodes: int, route: str) -> np.ndarray:
+def route_of(trace: Trace, nodes: int, route: str) -> npt.NDArray[np.int64]:
     """The node of every request, for the routes that do not look at the caches (``rr``,
     ``prefix``)."""
     n_req = len(trace.requests)
