@@ -258,6 +258,27 @@ def test_plan_cluster_flags_are_checked(tmp_path: Path, capsys: pytest.CaptureFi
     argv = ["plan", "--trace", str(path), "--slo-ttft-p90", "1", "--model", "Llama-3.1-8B"]
     assert main([*argv, "--gpus", "1", "--nodes", "0"]) == 2
     assert "--nodes must be >= 1, got 0" in capsys.readouterr().err
-    with pytest.raises(SystemExit):  # cache routing depends on the caches: no profile to size by
-        main([*argv, "--nodes", "2", "--route", "cache"])
-    assert "invalid choice: 'cache'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*argv, "--nodes", "2", "--route", "hash"])
+    assert "invalid choice: 'hash'" in capsys.readouterr().err
+
+
+def test_a_cache_routed_cluster_is_sized_by_replay() -> None:
+    """Cache routing has no profile of its own: the plan screens it as routing by first block,
+    and what it answers meets the SLO in a cache-routed replay."""
+    trace = generate("chat", 300, seed=5)
+    ns = argparse.Namespace(
+        model="Llama-3.1-8B", dtype="bf16", gpus=1, weights_bytes=None, weights_dtype="bf16",
+        gpu_memory="80GB", policy="lru", dram="20GB", nvme="0", pool="60GB", nodes=3,
+        route="cache",
+    )  # fmt: skip
+    hier, max_blocks, _ = sizing.search_space(ns, trace)
+    bb = hier.block_bytes
+    top = sizing.exact_p90(trace, sizing.sized(hier, tuple(m * bb for m in max_blocks)))[0]
+    longest = max(len(r.blocks) for r in trace.requests)
+    none = sizing.exact_p90(trace, sizing.sized(hier, (longest * bb, 0, 0)))[0]
+    slo = top + (none - top) / 3
+    found = sizing.search(trace, hier, max_blocks, slo, points=4, margin=sizing.DEFAULT_MARGIN)
+    assert found.caps_bytes is not None and found.best_p90_s <= slo
+    p90, res = sizing.exact_p90(trace, sizing.sized(hier, found.caps_bytes))
+    assert p90 == found.best_p90_s and res.route == "cache" and res.nodes == 3

@@ -30,7 +30,8 @@ Costs are ``capacity x $/GB/month`` per tier (GPU rental excluded); the tiers se
 ``--dram``, ``--nvme``, ``--pool`` (each an upper bound; 0 leaves the tier out). With
 ``--nodes N`` the sizes are a cluster's (``kvtier.sim.cluster``): HBM, DRAM and NVMe bought once
 per node, the pool once; the screen is then ``kvtier.sim.clusterstack``'s profile (exact for LRU
-with ``rr`` or ``prefix`` routing) and the replays are cluster replays.
+with ``rr`` or ``prefix`` routing; ``cache`` routing is screened as ``prefix``) and the replays
+are cluster replays.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from kvtier.policy import DEFAULT_POLICY
 from kvtier.sim.cluster import replay_cluster
 from kvtier.sim.clusterstack import cluster_profile, estimate_cluster_hits
 from kvtier.sim.cost import GPU, ComputeModel, price, tier_cost
-from kvtier.sim.hierarchy import DEFAULT_MODEL, Hierarchy, SimTier
+from kvtier.sim.hierarchy import DEFAULT_MODEL, ROUTES, Hierarchy, SimTier
 from kvtier.sim.lrustack import StackProfile, estimate_hits, lru_profile
 from kvtier.sim.options import add_hints_argument, add_jobs_argument, jobs_from
 from kvtier.sim.replay import SIM_POLICIES, replay
@@ -158,7 +159,10 @@ def search(
     shared = hier.shared_from if hier.nodes > 1 else len(hier.tiers)
     estimate: Callable[[tuple[int, ...]], npt.NDArray[np.float64]]
     if hier.nodes > 1:
-        cprof = cluster_profile(trace, hier.nodes, hier.route)
+        # cache routing has no static profile: requests that start alike tend to meet on the
+        # node that cached them, so routing by first block is its screen (the replay decides)
+        screen = "prefix" if hier.route == "cache" else hier.route
+        cprof = cluster_profile(trace, hier.nodes, screen)
         ws = cprof.distinct
 
         def estimate(caps: tuple[int, ...]) -> npt.NDArray[np.float64]:
@@ -326,9 +330,10 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--route",
-        choices=("rr", "prefix"),
+        choices=ROUTES,
         default="rr",
-        help="how the cluster's requests reach nodes: round robin or by first block (rr)",
+        help="how the cluster's requests reach nodes: round robin, by first block, or to the "
+        "node caching the longest prefix (screened as by first block) (rr)",
     )
     add_hints_argument(g)
 
@@ -393,7 +398,8 @@ def run_trace_plan(args: argparse.Namespace) -> int:
         )
     margin = args.screen_margin
     if margin is None:
-        margin = 0.0 if args.policy.lower() == "lru" else DEFAULT_MARGIN
+        exact = args.policy.lower() == "lru" and args.route != "cache"
+        margin = 0.0 if exact else DEFAULT_MARGIN
     if args.grid_points < 1 or args.max_replays < 1 or not 0 <= margin < math.inf:
         raise ConfigError(
             "--grid-points and --max-replays must be >= 1, --screen-margin a number >= 0"
