@@ -147,7 +147,8 @@ def render(summary: dict[str, Any], title: str = "kvtier simulate") -> str:
     from rich.table import Table
 
     n = summary["requests"]
-    table = Table(title=f"{title}: {summary['trace']} ({n} request{'s' if n != 1 else ''})")
+    nodes = f", {summary['nodes']} nodes" if summary.get("nodes", 1) > 1 else ""
+    table = Table(title=f"{title}: {summary['trace']} ({n} request{'s' if n != 1 else ''}{nodes})")
     for col in ("tier", "policy", "capacity", "blocks", "hit ratio", "read", "written", "$/month"):
         table.add_column(col, justify="right")
     for t in summary["tiers"]:
@@ -172,7 +173,7 @@ def render(summary: dict[str, Any], title: str = "kvtier simulate") -> str:
         f"{summary['throughput_tokens_per_s']:,.0f} tokens/s   "
         f"{summary['tokens_per_joule']:.2f} tokens/J   ${summary['monthly_cost_usd']:,.0f}/month"
     )
-    if summary["nodes"] > 1:
+    if nodes:
         busy = ", ".join(f"{b:,.0f}" for b in summary["busy_s"])
         console.print(f"busy time per node: {busy} s")
     console.print(f"hit definition: {summary['hit_definition']}")
