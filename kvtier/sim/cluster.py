@@ -28,6 +28,7 @@ Belady's MIN is not offered here: each node's future depends on the routing of e
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import takewhile
 
 import numpy as np
 import numpy.typing as npt
@@ -171,12 +172,7 @@ def _by_cache(node_tiers: Sequence[TierChain], blocks: Sequence[int], load: list
     ``blocks`` in its own tiers, least loaded first among equals, unless it is overloaded."""
     best, pick = -1, 0
     for n, node in enumerate(node_tiers):
-        where = node.where
-        run = 0
-        for k in blocks:
-            if k not in where:
-                break
-            run += 1
+        run = sum(1 for _ in takewhile(node.where.__contains__, blocks))
         if run > best or (run == best and load[n] < load[pick]):
             best, pick = run, n
     least = min(range(len(load)), key=load.__getitem__)
