@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from itertools import pairwise
 
 from kvtier.keys import BlockKey
 from kvtier.policy import EvictionPolicy, make_policy
@@ -51,9 +50,11 @@ class BlockIndex:
             for c in capacities
         ]
         self.resident = [0] * len(capacities)  # complete + pending-in, per tier
-        for upper, pol in pairwise(self.policies):
+        pols = self.policies
+        for t in range(1, len(pols)):  # an insert there is a batch of victims, not a chain
+            pol = pols[t]
             if pol is not None:
-                pol.feed_by_demotion(upper)
+                pols[t] = pol.feed_by_demotion(pols[t - 1])
 
     # -- queries ---------------------------------------------------------------------------
     def readable(self, key: BlockKey) -> Entry | None:

@@ -32,6 +32,7 @@ NEIGHBOURS = [
     ("horizon_fraction", 4.0),
     ("ghost_factor", 2.0),
     ("refit_buckets", 4),
+    ("refit_buckets", 16),
 ]
 BAND = (0.9, 0.95, 1.0, 1.05, 1.1)
 

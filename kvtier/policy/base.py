@@ -65,11 +65,13 @@ class EvictionPolicy(ABC, Generic[K]):
         nothing. Bounded work: implementations should not scan more than needed.
         """
 
-    def feed_by_demotion(self, upper: EvictionPolicy[K] | None = None) -> None:
+    def feed_by_demotion(self, upper: EvictionPolicy[K] | None = None) -> EvictionPolicy[K]:
         """Called once when this policy serves a tier filled by demotions from the tier above
         (whose policy is ``upper``): an ``insert`` there is a batch of victims, not one
-        request's chain. Policies that read meaning into the shape of an insert switch that off
-        here; policies may share what ``upper`` learned about the keys it passes down."""
+        request's chain. Returns the policy that serves the tier from now on: this one (the
+        default), switched to reading inserts that way, or another made for tiers below (a
+        policy may share what ``upper`` learned about the keys it passes down)."""
+        return self
 
     @abstractmethod
     def resident(self) -> Collection[object]:

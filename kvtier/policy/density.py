@@ -10,35 +10,35 @@ observations most, and gives each (state, age) a *hit density*: the chance of a 
 next ``horizon_fraction`` capacities' worth of the clock over the space-time held until then.
 Nothing about the workload is coded in; a state without data gets the pooled rate, and before
 anything is learned the oldest blocks go first. The clock is *churn* (new blocks inserted), so
-ages, bucket width, horizon and recency weighting are all fractions of the capacity. Results and
-limits: ``docs/simulation.md`` (opt-in; S3-FIFO stays the default).
+ages, bucket width, horizon and recency weighting are all fractions of the capacity. Results:
+``docs/simulation.md``.
 
-Each state keeps its blocks in a FIFO queue, in order of last use (a request's keys enter leaf
-first). A block's density is taken as the lowest it had at any age up to its own (so it never
-rises with age), which makes a queue's oldest block its least dense: eviction takes the queue
-whose oldest block has the lowest density, from that end, and never ranks blocks one by one
-(ranking cohorts by the raw density did worse: ``docs/simulation.md``). Queue heads sit in a
-heap, rebuilt when the ages move a bucket or the table is refit. A key used again is queued anew
-and leaves a stale entry behind, skipped when met (queues are filtered when stale entries
-outnumber live ones).
+Each state keeps a FIFO queue in order of last use. A block's density is taken as the lowest it
+had at any age up to its own (so it never rises with age), which makes a queue's oldest entry its
+least dense: eviction takes the queue whose oldest entry has the lowest density, from that end,
+and never ranks blocks one by one. Queue heads sit in a heap, repriced when the ages move a
+bucket or the table is refit.
 
-Prefix awareness: a key whose child (the next key of a chain inserted with it) is resident is
-never a victim; met by an eviction, it waits out of its queue until its last child leaves, then
-is queued first in line. A lower tier fed by this policy's demotions (``feed_by_demotion``) ranks
-them with this policy's table, by the state and age each victim had here.
+The unit is the *run* (``kvtier.policy.runs``): consecutive keys of a chain that share their last
+use. Queues hold runs, lives open and close per run, and eviction cuts keys off a run's end (leaf
+first), as many as needed; a use of a run's first keys splits it. A run whose kid runs are
+resident keeps its last key: met by an eviction, it waits out of its queue until they left, then
+is queued first in line. Per-key work is set membership, the ghost (evicted keys and their
+metas, so a return is learned at its true age) and C-level slicing.
+
+In a hierarchy this class serves the top tier; the tiers below rank what it demotes with its
+table (``feed_by_demotion`` hands them a ``kvtier.policy.densitybelow.DensityBelow``).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Hashable, Sequence
+from itertools import groupby, repeat
 from typing import Any, ClassVar
 
-import numpy as np
-
 from kvtier.policy.base import EvictionPolicy, K, always
-from kvtier.policy.chainlinks import ChainLinks
 from kvtier.policy.lifestates import (
     MAX_USE_COUNT,
     START_SHIFT,
@@ -48,9 +48,11 @@ from kvtier.policy.lifestates import (
     Ghost,
     LifeStates,
 )
-from kvtier.policy.lifetable import LifeTable
+from kvtier.policy.lifetable import DensityTable
+from kvtier.policy.runs import Cut, Run, RunIndex, resolve
 
-Entry = tuple[Any, int]  # a queued key and the meta it was queued with (stale once it changed)
+Entry = tuple[Run, int]  # a queued run and the meta it was queued with (stale once it changed)
+_INF = float("inf")
 
 
 class HitDensity(EvictionPolicy[K]):
@@ -69,7 +71,7 @@ class HitDensity(EvictionPolicy[K]):
     prior_fraction: ClassVar[float] = 0.003
     #: the table is refit every this many buckets of the clock, and at most every
     #: ``min_refit_blocks`` of it (a small cache would otherwise refit every few blocks)
-    refit_buckets: ClassVar[int] = 2
+    refit_buckets: ClassVar[int] = 8
     min_refit_blocks: ClassVar[int] = 64
     #: a reused block's state: used once, or more (finer states did worse: docs/simulation.md)
     max_uses: ClassVar[int] = 2
@@ -82,190 +84,272 @@ class HitDensity(EvictionPolicy[K]):
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         cap = max(1, capacity)
-        self._w = max(1, int(cap * self.width_fraction))
-        self._refit_every = max(self._w * self.refit_buckets, self.min_refit_blocks)
-        self._table = LifeTable(
-            width=self._w,
-            buckets=self.buckets,
-            tau=max(1.0, cap * self.tau_fraction),
-            horizon=max(1, int(cap * self.horizon_fraction)),
-            prior=max(1.0, cap * self.prior_fraction),
-        )
-        self._now = 0  # the churn clock: new blocks inserted so far
-        self._next_refit = self._refit_every
-        self._epoch = 0  # bumped whenever densities or age buckets moved (lower tiers follow)
-        self._meta: dict[K, int] = {}  # resident key -> start, uses, state (one int)
-        self._ghost: Ghost[K] = Ghost(int(cap * self.ghost_factor), self._table)
-        self._links: ChainLinks[K] = ChainLinks(self._requeue_freed, cap)
+        #: this tier's life table and the densities it ranks by
+        self.ranked = self._scale(cap)
+        self.table = self.ranked.table
+        self.width = self.ranked.width
+        #: the churn clock (new blocks inserted so far), and its age bucket
+        self.now = 0
+        self._bucket = 0
+        self._runs = RunIndex(self._requeue)
+        self.ghost = Ghost(int(cap * self.ghost_factor), self.table)
         self._queues: list[deque[Entry]] = []  # per state: newest at the left
-        self._dens: list[list[float]] = []  # per state and age bucket, non-increasing in age
         self._heap: list[tuple[float, int, int]] = []  # (density, start, state) of queue heads
         self._top: list[int] = []  # per state: the start of its live heap entry (-1: none)
-        self._stale = 0  # queue entries that no longer hold their key
-        self._upper: HitDensity[K] | None = None  # the tier above, when fed by its demotions
-        self._root: HitDensity[K] = self  # the top tier (its table, clock and ghost)
-        self._below = 0  # blocks the tiers below hold (the top tier's ghost covers them)
-        self._passes_down = False  # a tier below takes this one's victims (and their metas)
-        self._passed: dict[K, int] = {}  # the last victims' metas, for the tier below
-        self._passed_parent: dict[K, K | None] = {}  # ... and their parents up there
-        self._last_root: K | None = None  # the last insert's first key, if it has no parent
-        self._states = LifeStates(self.max_states, self.max_uses, self._grow)
+        self._stale = 0  # queue entries that no longer stand for a live run
+        self._last_root: Run | None = None  # the last insert's first new run, if parentless
+        #: with a tier below: the last victims' metas and their parents here (``passed``)
+        self.passes_down = False
+        self.passed: dict[K, int] = {}
+        self.passed_parent: dict[K, K | None] = {}
+        #: the tiers below: their blocks, and a table each at the scale of this tier and the
+        #: tiers down to it (fed the same lives: ``extend``)
+        self.below = 0
+        self._scales: list[DensityTable] = []
+        self.states = LifeStates(self.max_states, self.max_uses, self._grow)  # (last: grows)
+
+    @classmethod
+    def _scale(cls, blocks: int) -> DensityTable:
+        """A life table at the scale of ``blocks`` blocks, with this policy's settings."""
+        return DensityTable(
+            blocks,
+            width_fraction=cls.width_fraction,
+            buckets=cls.buckets,
+            tau_fraction=cls.tau_fraction,
+            horizon_fraction=cls.horizon_fraction,
+            prior_fraction=cls.prior_fraction,
+            refit_buckets=cls.refit_buckets,
+            min_refit=cls.min_refit_blocks,
+        )
+
+    def extend(self, capacity: int) -> DensityTable:
+        """A tier of ``capacity`` blocks joins below (before any use). The ghost grows to
+        remember as many keys as the whole hierarchy holds, so a return from any tier is learned
+        at its true age; and the same lives feed a table at the scale of the hierarchy down to
+        that tier, which it ranks by (this tier's table sees ages up to twice its own capacity
+        only; a tier below holds blocks far older)."""
+        self.below += capacity
+        self.ghost.cap = max(self.ghost.cap, int(self.ghost_factor * self.capacity) + self.below)
+        scale = self._scale(max(1, self.capacity) + self.below)
+        scale.grow(len(self._queues))
+        (self._scales[-1] if self._scales else self.ranked).table.also = scale.table
+        self._scales.append(scale)
+        return scale
 
     def _grow(self, states: int) -> None:
         """Room for states ``0 .. states - 1``: table rows, queues, densities."""
-        self._table.grow(states)
+        self.ranked.grow(states)
+        for scale in self._scales:
+            scale.grow(states)
         while len(self._queues) < states:
             self._queues.append(deque())
-            self._dens.append([0.0] * self.buckets)
             self._top.append(-1)
 
     # -- uses ----------------------------------------------------------------------------------
     def insert(self, keys: Sequence[K], hint: Hashable | None = None) -> None:
-        if self._upper is not None:
-            self._insert_victims(keys)
-            return
-        n_new = self._use(keys, self._states.new(hint))
+        n_new = self._use(keys, self.states.new(hint))
         if n_new:
-            self._advance(n_new)
+            self.now = now = self.now + n_new
+            if now // self.width != self._bucket or now >= self.ranked.next_refit:
+                self._advance()
 
     def access(self, keys: Sequence[K]) -> None:
-        if self._upper is not None:
-            self._touch(keys)
-        else:
-            self._use(keys, None)
-
-    def _touch(self, keys: Sequence[K]) -> None:
-        """A lower tier's hits move to the newest end of their queues, state kept; the top tier
-        learns the use when the block comes back up (from its ghost). Ages are the top tier's:
-        this tier's clock is brought up to it first (a head pushed here is priced at age 0)."""
-        root = self._root
-        self._now, self._dens = root._now, root._dens
-        meta, queues, top = self._meta, self._queues, self._top
-        stamp = self._now << START_SHIFT
-        for k in reversed(keys):
-            m = meta.get(k)
-            if m is None:
-                continue
-            new = m & ((1 << START_SHIFT) - 1) | stamp
-            if new != m:
-                meta[k] = new
-                s = m & STATE_MASK
-                queues[s].appendleft((k, new))
-                self._stale += 1
-                if top[s] < 0:
-                    self._push(s, stamp >> START_SHIFT)
+        self._use(keys, None)
 
     def refresh(self, keys: Sequence[K]) -> None:
         """No use is counted (their load was): ``keys`` are the cached prefix of the keys the
-        last insert brought in, so the last of them becomes the parent of that insert's first
-        key, and is no victim while that child stays."""
+        last insert brought in, so that insert's first run goes below the last of them."""
         root = self._last_root
         self._last_root = None
-        if keys and root is not None and root in self._meta and root not in self._links.parent:
-            p = keys[-1]
-            if p in self._meta and p != root:
-                self._links.link(root, p)
+        if not keys or root is None or root.meta < 0 or root.pkey is not None:
+            return
+        pk = keys[-1]
+        if pk in self._runs.res and pk not in root.keys:
+            head = self._runs.hang(root, pk)
+            if head is not None:
+                self._requeue(head)  # a parent now: it waits when met
 
     def _use(self, keys: Sequence[K], new_ids: list[int] | None) -> int:
-        """Record a use of ``keys`` (prefix order) now: each known key's life ends (learned) and
-        a new one starts; with ``new_ids`` (an insert) unknown keys become resident in the new
-        state of their place, else they are ignored. Keys are queued leaf first. Returns the
-        number of keys that became resident."""
-        meta, ghost = self._meta, self._ghost.metas
-        table, queues, top = self._table, self._queues, self._top
-        parent, kids = self._links.parent, self._links.kids
-        steps = self._states.steps
-        now = self._now
+        """Record a use of ``keys`` (prefix order) now: the runs of its leading resident keys
+        end their lives (learned) and start new ones, split where the use ends; with
+        ``new_ids`` (an insert) the rest become resident in new runs. Returns how many did."""
+        chain = keys if isinstance(keys, list) else list(keys)
+        n = len(chain)
+        if not n:
+            return 0
+        runs = self._runs
+        res, first = runs.res, runs.first
+        steps = self.states.steps
+        used: list[Run] = []
+        i = 0
+        r = first.get(chain[0])
+        while r is not None:  # the leading resident keys, run by run
+            ks = r.keys
+            ln = len(ks)
+            if chain[i : i + ln] == ks:
+                used.append(r)
+                i += ln
+                if i == n:
+                    break
+                r = first.get(chain[i])
+                continue
+            seg = chain[i : i + ln]
+            pres = list(map(res.__contains__, seg))
+            j = pres.index(False) if False in pres else len(seg)
+            if j == 0 or ks[:j] != seg[:j]:
+                break  # not a prefix of this run: handled below
+            new_m = (self.now << START_SHIFT) | steps[(r.meta >> USES_SHIFT) & MAX_USE_COUNT]
+            used.append(runs.split(r, j, new_m != r.meta))
+            i += j
+            break
+        # keys past the leading run that are resident anyway: prefix order broken by the caller
+        if new_ids is not None and i < n and not res.isdisjoint(chain[i:] if i else chain):
+            for k in chain[i:]:
+                if k in res:
+                    self.remove(k)
+        table, queues, top = self.table, self._queues, self._top
+        now = self.now
         stamp = now << START_SHIFT
-        place = n_new = filed = 0
-        last_s = last_m = -1
-        n_open = n_close = 0
-        q: deque[Entry] | None = None
-        child: K | None = None  # the key before (deeper), if it just became resident
-        for k in reversed(keys):
-            m = meta.get(k)
-            if m is None:
-                if new_ids is None:
-                    child = None
-                    continue
-                n_new += 1
-                if child is not None:
-                    parent[child] = k
-                    kids[k] = kids.get(k, 0) + 1
-                child = k
-                if ghost:
-                    m = ghost.pop(k, None)
-                if m is None:  # brand new: the state of its place among the request's new keys
-                    s = new_ids[place if place < TAIL_CLASSES else TAIL_CLASSES]
-                    place += 1
-                    new = stamp | 1 << USES_SHIFT | s
-            elif child is not None:
-                parent[child] = k
-                kids[k] = kids.get(k, 0) + 1
-                child = None
-            if m is not None:  # a use: its life ends here
-                if m != last_m:
-                    if n_close:
-                        table.close(last_m & STATE_MASK, last_m >> START_SHIFT, now, n_close)
-                    last_m, n_close = m, 0
-                n_close += 1
-                new = stamp | steps[(m >> USES_SHIFT) & MAX_USE_COUNT]
-                s = new & STATE_MASK
-            meta[k] = new
-            if s != last_s:
-                if n_open:
-                    table.open(last_s, now, n_open)
-                last_s, n_open = s, 0
-                q = queues[s]
-                if top[s] < 0:  # no head in the heap (the queue holds nothing live)
-                    self._push(s, now)
-            n_open += 1
-            filed += 1
-            q.appendleft((k, new))  # type: ignore[union-attr]
-        if n_close:
-            table.close(last_m & STATE_MASK, last_m >> START_SHIFT, now, n_close)
-        if n_open:
-            table.open(last_s, now, n_open)
-        self._last_root = child if new_ids is not None else self._last_root
-        self._stale += filed - n_new  # keys queued again leave their old entries behind
+        # the used runs: lives end, new ones start (a run whose parent run gets the same new
+        # meta, and is its only kid, merges into it)
+        filed: list[Run] = []
+        queued: list[Run] = []  # used runs whose queue entry stays valid (meta unchanged)
+        prev: Run | None = None
+        for r in used:
+            m = r.meta
+            if m >= 0:
+                if not r.wait:
+                    if m == stamp | steps[(m >> USES_SHIFT) & MAX_USE_COUNT]:
+                        queued.append(r)  # used again at the same clock: same meta
+                    else:
+                        self._stale += 1  # its queue entry goes stale
+            else:  # just split off: its meta is the entry's (kept by the tail)
+                m = r.kids[0].meta  # type: ignore[index]
+            table.close(m & STATE_MASK, m >> START_SHIFT, now, len(r.keys))
+            new = stamp | steps[(m >> USES_SHIFT) & MAX_USE_COUNT]
+            if prev is not None and prev.meta == new and prev.kids == [r]:
+                runs.merge(prev, r)
+                continue
+            r.meta = new
+            r.wait = False
+            filed.append(r)
+            prev = r
+        n_new = 0
+        if new_ids is not None:
+            self._last_root = None
+            if i < n:
+                n_new = n - i
+                fresh = self._new_runs(chain[i:], new_ids, stamp)
+                added = runs.add(fresh, chain[i - 1] if i else None)
+                if added[0].pkey is None:
+                    self._last_root = added[0]
+                filed += added
+        # file leaf first: the deepest run ends nearest the eviction end among equals
+        dens, nb = self.ranked.dens, self.buckets
+        for r in reversed(filed):
+            m = r.meta
+            s = m & STATE_MASK
+            table.open(s, now, len(r.keys))
+            if queued and r in queued:
+                continue
+            queues[s].appendleft((r, m))
+            if top[s] < 0:
+                top[s] = now
+                heapq.heappush(self._heap, (dens[s * nb], now, s))
         return n_new
 
-    def _advance(self, n_new: int) -> None:
-        """Move the clock on by ``n_new`` blocks; refit the table when due; rebuild the heap
-        of queue heads when their age buckets or densities moved."""
-        self._now += n_new
-        now = self._now
-        moved = self._table.tick(now)
-        if now >= self._next_refit:
-            self._table.refit(now)
-            self._next_refit = now + self._refit_every
-            self._dens = np.minimum.accumulate(self._table.density, axis=1).tolist()
-            moved = True
-        if moved:
-            self._epoch += 1
-            self._rebuild()
+    def _new_runs(
+        self, new: list[Any], new_ids: list[int], stamp: int
+    ) -> list[tuple[list[Any], int]]:
+        """The runs (keys, meta) of a request's new keys ``new``: brand-new keys get the state
+        of their place (the last ``TAIL_CLASSES`` one each, the rest the body's), keys back from
+        the ghost a use (learned at its age); neighbours with one meta are one run."""
+        nn = len(new)
+        t = TAIL_CLASSES
+        runs: list[tuple[list[Any], int]] = []
+        ghost = self.ghost
+        gh = ghost.keys
+        gids = list(map(gh.pop, new, repeat(None))) if gh else None
+        if gids is None or gids.count(None) == nn:  # all brand new: body and tail places
+            if nn > t:
+                runs.append((new[: nn - t], stamp | 1 << USES_SHIFT | new_ids[t]))
+            for p in range(min(nn, t) - 1, -1, -1):
+                runs.append(([new[nn - 1 - p]], stamp | 1 << USES_SHIFT | new_ids[p]))
+            return runs
+        table, steps = self.table, self.states.steps
+        now = stamp >> START_SHIFT
+        body = stamp | 1 << USES_SHIFT | new_ids[t]
+        place = 0
+        x = nn
+        for gi, it in reversed([(g, len(list(it))) for g, it in groupby(gids)]):  # leaf first
+            c = it
+            g = ghost.take(gi, c) if gi is not None else None
+            if g is None:  # brand new (or forgotten by the ghost): places count these
+                while place < t and c:
+                    runs.append(([new[x - 1]], stamp | 1 << USES_SHIFT | new_ids[place]))
+                    place += 1
+                    x -= 1
+                    c -= 1
+                if c:
+                    runs.append((new[x - c : x], body))
+                    x -= c
+            else:
+                table.close(g & STATE_MASK, g >> START_SHIFT, now, c)
+                runs.append((new[x - c : x], stamp | steps[(g >> USES_SHIFT) & MAX_USE_COUNT]))
+                x -= c
+        runs.reverse()
+        merged: list[tuple[list[Any], int]] = []
+        for ks, m in runs:
+            if merged and merged[-1][1] == m:
+                merged[-1][0].extend(ks)
+            else:
+                merged.append((ks, m))
+        return merged
 
-    def _density(self, s: int, start: int) -> float:
-        age = (self._now - start) // self._w
-        return self._dens[s][age if age < self.buckets else -1]
+    def _advance(self) -> None:
+        """The clock moved into a new age bucket or past a refit: tick and refit the tables
+        when due, reprice the heap of queue heads."""
+        now = self.now
+        self._bucket = now // self.width
+        if self.ranked.advance(now):
+            self._reprice()
+        for scale in self._scales:
+            scale.advance(now)
 
-    def _push(self, s: int, start: int) -> None:
-        """Make (the density of ``start`` in ``s``, ``start``) state ``s``'s heap entry."""
-        self._top[s] = start
-        heapq.heappush(self._heap, (self._density(s, start), start, s))
+    def density(self, s: int, start: int) -> float:
+        """The density of a block of state ``s`` last used at ``start``, now."""
+        return self.ranked.density(s, self.now - start)
+
+    def _reprice(self) -> None:
+        """Reprice the heap's live entries at the current ages. An entry may name a start
+        older than its queue's live head (the head's run left): ``evict`` then meets it early
+        and pushes the head at its own density."""
+        top = self._top
+        heap = [(self.density(s, st), st, s) for _, st, s in self._heap if top[s] == st]
+        heapq.heapify(heap)
+        self._heap = heap
 
     def _rebuild(self) -> None:
-        """Every state's heap entry from its queue's oldest live entry."""
-        meta, top = self._meta, self._top
+        """Every state's heap entry from its queue's oldest live entry (after queues changed
+        other than at their ends)."""
+        top = self._top
         heap = []
         stale = 0
         for s, q in enumerate(self._queues):
-            while q and meta.get(q[-1][0]) != q[-1][1]:
-                q.pop()
-                stale += 1
+            while q:
+                r, m = q[-1]
+                if r.meta == m:
+                    break
+                live = resolve(r, m)
+                if live is None:
+                    q.pop()
+                    stale += 1
+                else:
+                    q[-1] = (live, m)
+                    break
             if q:
                 start = q[-1][1] >> START_SHIFT
-                heap.append((self._density(s, start), start, s))
+                heap.append((self.density(s, start), start, s))
                 top[s] = start
             else:
                 top[s] = -1
@@ -274,219 +358,189 @@ class HitDensity(EvictionPolicy[K]):
         self._heap = heap
 
     # -- eviction -----------------------------------------------------------------------------
-    def remove(self, key: K) -> None:
-        m = self._meta.pop(key, None)
-        if m is None:
-            return
-        self._stale += 1
-        self._links.forget(key)
-        if self._upper is None:
-            self._table.censor(m & STATE_MASK, m >> START_SHIFT, self._now)
-
-    def _requeue_freed(self, key: K) -> None:
-        """A waiting parent whose last child left is queued again, first in line."""
-        m = self._meta.get(key)
-        if m is not None:
-            self._requeue(key, m)
-
-    def _requeue(self, key: K, m: int) -> None:
-        """Put ``key`` (meta ``m``) at the eviction end of its state's queue."""
+    def _requeue(self, r: Run) -> None:
+        """Queue ``r`` at the eviction end of its state's queue (first in line)."""
+        m = r.meta
         s = m & STATE_MASK
-        self._queues[s].append((key, m))
+        self._queues[s].append((r, m))
         start = m >> START_SHIFT
         if self._top[s] < 0 or start < self._top[s]:
-            self._push(s, start)
+            self._top[s] = start
+            heapq.heappush(self._heap, (self.density(s, start), start, s))
 
     def evict(self, n: int, evictable: Callable[[K], bool]) -> list[K] | None:
-        """Lowest density first, leaves first; all-or-nothing. A key whose children are
-        resident waits (out of its queue) until they left; a pinned key is skipped (it keeps
-        its place)."""
+        """Lowest density first, leaves first; all-or-nothing. A run whose kids are resident
+        waits (out of its queue) until they left; a pinned key's run is held (it keeps its
+        place), the keys after it may go."""
         if n <= 0:
             return []
-        meta = self._meta
-        if n > len(meta):
+        runs = self._runs
+        res, first, last = runs.res, runs.first, runs.last
+        if n > len(res):
             return None
-        root = self._root
-        if root is not self:  # a lower tier: the top tier's clock and densities
-            self._now, self._dens = root._now, root._dens
-            if self._epoch != root._epoch:
-                self._epoch = root._epoch
-                self._rebuild()
-        out: list[K] = []  # victims, with their metas and parents (to restore on failure)
-        metas: list[int] = []
-        parents: list[K | None] = []
+        chunks: list[tuple[list[Any], int]] = []
+        cuts: list[Cut] = []
         held: list[tuple[deque[Entry], Entry]] = []
-        parked: list[Entry] = []  # keys sent to wait by this call (restored on failure)
-        links = self._links
-        kids, waiting, unlink = links.kids, links.waiting, links.unlink
         check = evictable is not always
-        heap, top, queues, dens = self._heap, self._top, self._queues, self._dens
-        w, last, now = self._w, self.buckets - 1, self._now
-        stale = 0
-        while len(out) < n and heap:
+        heap, top, queues, dens = self._heap, self._top, self._queues, self.ranked.dens
+        w, lastb, now, nb = self.width, self.buckets - 1, self.now, self.buckets
+        taken = stale = 0
+        while taken < n and heap:
             _, start, s = heapq.heappop(heap)
             if top[s] != start:
                 continue  # superseded by a later entry of this state
             top[s] = -1
             q = queues[s]
-            bound = heap[0][0] if heap else float("inf")  # the next queue's head (or less)
+            bound = heap[0][0] if heap else _INF  # the next queue's head (or less)
             while q:
-                e = q[-1]
-                k, m = e
-                if meta.get(k) != m:
-                    q.pop()
-                    stale += 1
-                    continue  # stale: the key moved on or left
+                r, m = q[-1]
+                if r.meta != m:
+                    live = resolve(r, m)
+                    if live is None:
+                        q.pop()
+                        stale += 1
+                        continue  # stale: the run was used again or left
+                    r = live
+                    q[-1] = (r, m)
                 st = m >> START_SHIFT
-                if st != start:  # a younger entry (or a parent queued again): its density
+                if st != start:  # a younger entry: its density
                     age = (now - st) // w
-                    if dens[s][age if age < last else last] > bound:
+                    if dens[s * nb + (age if age < lastb else lastb)] > bound:
                         break  # another queue's head goes first
                     start = st
-                if len(out) == n:
+                if taken == n:
                     break
-                q.pop()
-                if k in kids:
-                    waiting.add(k)
-                    parked.append(e)
+                if r.kids:
+                    q.pop()
+                    r.wait = True
+                    cuts.append((r, [], m, False))
                     continue
-                if check and not evictable(k):
-                    held.append((q, e))
-                    continue
-                del meta[k]
-                out.append(k)
-                metas.append(m)
-                parents.append(unlink(k))  # (a parent whose last child this was: requeued)
+                ks = r.keys
+                want = n - taken
+                ln = len(ks)
+                cut = ln - want if want < ln else 0
+                if check and not all(map(evictable, ks[cut:])):
+                    x = ln
+                    while x > cut and evictable(ks[x - 1]):
+                        x -= 1
+                    held.append((q, q.pop()))  # a pinned key: the run keeps its place
+                    if x == ln:
+                        continue
+                    cut = x
+                if cut:
+                    chunk = ks[cut:]
+                    del ks[cut:]
+                    del last[chunk[-1]]
+                    last[ks[-1]] = r
+                    died = False
+                else:
+                    chunk = ks
+                    q.pop()
+                    del first[ks[0]]
+                    del last[ks[-1]]
+                    died = True
+                res.difference_update(chunk)
+                chunks.append((chunk, m))
+                cuts.append((r, chunk, m, died))
+                taken += len(chunk)
+                if died:
+                    runs.drop(r)
             if q:  # this state's entry, from its (live) head
                 st = q[-1][1] >> START_SHIFT
                 if top[s] < 0 or st < top[s]:
-                    self._push(s, st)
+                    top[s] = st
+                    age = (now - st) // w
+                    heapq.heappush(heap, (dens[s * nb + (age if age < lastb else lastb)], st, s))
         self._stale -= stale
-        queued = len(out)  # victims taken from the queues (the rest from the waiting set)
-        if len(out) < n:  # only parents of resident keys left (links out of date): take them
-            for k in list(waiting):
-                if len(out) == n:
-                    break
-                if k in meta and evictable(k):
-                    waiting.discard(k)
-                    metas.append(meta.pop(k))
-                    parents.append(unlink(k))
-                    out.append(k)
         for q, e in reversed(held):
             q.append(e)
-        if len(out) < n:  # put everything back as it was
-            self._restore(out, metas, parents, queued, parked)
-            return None
-        if held:
+        if taken < n:  # only parents of pinned keys are left: take them, leaves first
+            cands: list[Any] = []
+            for r in first.values():
+                cands += [k for k in r.keys[::-1] if evictable(k)][: n - taken - len(cands)]
+                if taken + len(cands) == n:
+                    break
+            if taken + len(cands) < n:
+                runs.undo(cuts)
+                self._compact(requeue_all=True)
+                return None
+            for k in cands:
+                chunks.append(([k], runs.detach(k)))
             self._rebuild()
-        if self._upper is None:
-            self._ghost.remember(out, metas, self._now)
-        if self._passes_down:
-            self._passed = dict(zip(out, metas, strict=True))
-            self._passed_parent = dict(zip(out, parents, strict=True))
-        if self._stale > len(meta) + 1024:
+        elif held:
+            self._rebuild()
+        out: list[Any] = []
+        for ck, _ in chunks:
+            out += ck
+        self.ghost.remember(chunks, now)
+        if self.passes_down:
+            self._pass_down(cuts, chunks)
+        if self._stale > len(first) + 1024:
             self._compact()
         return out
 
-    def _restore(
-        self,
-        out: list[K],
-        metas: list[int],
-        parents: list[K | None],
-        queued: int,
-        parked: list[Entry],
-    ) -> None:
-        """Undo a failed ``evict``: victims resident again (the first ``queued`` back in their
-        queues, the rest waiting again), keys it sent to wait queued again; queues re-sorted by
-        last use (restored entries first among equals), heap rebuilt."""
-        meta, waiting = self._meta, self._links.waiting
-        for k, m, p in zip(out, metas, parents, strict=True):
-            meta[k] = m
-            if p is not None:
-                self._links.link(k, p)
-        waiting.update(out[queued:])
-        back = list(zip(out[:queued], metas[:queued], strict=True)) + parked
-        waiting.difference_update(k for k, _ in back)
-        by_state: dict[int, list[Entry]] = {}
-        for e in back:
-            by_state.setdefault(e[1] & STATE_MASK, []).append(e)
-        for s, entries in by_state.items():
-            live = [e for e in self._queues[s] if meta.get(e[0]) == e[1]] + entries
-            live.sort(key=lambda e: -(e[1] >> START_SHIFT))  # stable: newest at the left
-            self._queues[s] = deque(live)
-        self._compact()
+    def _pass_down(self, cuts: list[Cut], chunks: list[tuple[list[Any], int]]) -> None:
+        """Each victim's meta and its parent here, for the tier below (``passed``): ``cuts``
+        are the runs cut, ``chunks`` every victim chunk (the last, beyond the cuts, taken one
+        key at a time when pins left too few: passed without a parent)."""
+        passed: dict[K, int] = {}
+        parents: dict[K, K | None] = {}
+        self.passed, self.passed_parent = passed, parents
+        for r, ck, _, died in cuts:
+            if ck:
+                parents[ck[0]] = r.pkey if died else r.keys[-1]
+                parents.update(zip(ck[1:], ck[:-1], strict=True))
+        for ck, m in chunks:
+            passed.update(zip(ck, repeat(m)))
 
-    def _compact(self) -> None:
-        """Drop every stale entry from the queues (order kept) and rebuild the heap."""
-        meta = self._meta
-        self._queues = [deque(e for e in q if meta.get(e[0]) == e[1]) for q in self._queues]
+    def _compact(self, requeue_all: bool = False) -> None:
+        """Drop stale entries (order kept); with ``requeue_all`` queue every live run afresh
+        (by last use, newest at the left). Rebuilds the heap."""
+        if requeue_all:
+            by_state: dict[int, list[Run]] = {}
+            for r in self._runs.first.values():
+                by_state.setdefault(r.meta & STATE_MASK, []).append(r)
+            for s in range(len(self._queues)):
+                ranked = sorted(by_state.get(s, []), key=lambda r: -(r.meta >> START_SHIFT))
+                self._queues[s] = deque((r, r.meta) for r in ranked)
+        else:
+            for s, q in enumerate(self._queues):
+                live = []
+                for r, m in q:
+                    x = resolve(r, m) if r.meta != m else r
+                    if x is not None and not x.wait:
+                        live.append((x, m))
+                self._queues[s] = deque(live)
         self._stale = 0
         self._rebuild()
 
-    # -- hierarchy -----------------------------------------------------------------------------
-    def feed_by_demotion(self, upper: EvictionPolicy[K] | None = None) -> None:
-        """Rank demoted blocks with the top tier's table, by the state and age they had there
-        (the tier above passes each victim's meta down). The top tier's ghost grows to remember
-        as many keys as the whole hierarchy holds, so a return from any tier is learned as a use
-        at its true age. Prefix links follow the tier above's: a victim is linked to its parent
-        there once both are down here, whichever came first (a chain comes down leaf first, a
-        block per eviction, between other chains' blocks). Under another policy, neighbours of
-        a batch are linked."""
-        if isinstance(upper, HitDensity):
-            root = upper._root
-            self._upper, self._root = upper, root
-            self._table, self._w, self._states = root._table, root._w, root._states
-            self._dens = root._dens
-            upper._passes_down = True
-            root._below += self.capacity
-            root._ghost.cap = max(
-                root._ghost.cap, int(self.ghost_factor * root.capacity) + root._below
-            )
-        else:
-            self._upper = self  # no table above: every block one state, oldest first
+    def remove(self, key: K) -> None:
+        """Forget ``key`` (O(resident keys): its run is found by a scan; the store removes a
+        resident key only when it is deleted or found corrupt)."""
+        if key in self._runs.res:
+            m = self._runs.detach(key)
+            self.table.censor(m & STATE_MASK, m >> START_SHIFT, self.now)
 
-    def _insert_victims(self, keys: Sequence[K]) -> None:
-        """``insert`` for a tier fed by demotions: ``keys`` are the tier above's victims, in
-        prefix order; each keeps the meta (state, last use) and the parent it had there. A
-        child that came down before its parent waits for it (``ChainLinks.adopt``)."""
-        upper = self._upper
-        assert upper is not None
-        meta = self._meta
-        passed = upper._passed if upper is not self else {}
-        pp = upper._passed_parent if upper is not self else None
-        self._now = now = self._root._now
-        self._dens = self._root._dens
-        opened: list[tuple[int, K]] = []
-        prev: K | None = None
-        for k in keys:
-            if k in meta:
-                prev = k
-                continue
-            m = passed.get(k, now << START_SHIFT)
-            meta[k] = m
-            if pp is not None:
-                self._links.adopt(k, pp.get(k), meta)
-            elif prev is not None:
-                self._links.link(k, prev)
-            opened.append((m, k))
-            prev = k
-        queues, top = self._queues, self._top
-        for m, k in reversed(opened):  # leaf first, each at the newest end of its queue
-            s = m & STATE_MASK
-            while len(queues) <= s:  # the upper tier's states, as they come
-                queues.append(deque())
-                top.append(-1)
-            queues[s].appendleft((k, m))
-            if top[s] < 0:
-                self._push(s, m >> START_SHIFT)
+    # -- hierarchy -----------------------------------------------------------------------------
+    def feed_by_demotion(self, upper: EvictionPolicy[K] | None = None) -> EvictionPolicy[K]:
+        """A tier below: ``DensityBelow``, ranking what the tier above demotes by the state and
+        age it had there (with the top tier's table when that is a density tier)."""
+        from kvtier.policy.densitybelow import DensityBelow
+
+        return DensityBelow(self.capacity, upper)
 
     # -- introspection -------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
-        """Resident and remembered keys, and the learned states with the most resident keys."""
-        out: dict[str, Any] = {"resident": len(self._meta), "ghost": len(self._ghost)}
-        if self._upper is None:
-            out["states"] = self._states.top(self._meta.values(), self._table.hazard, self._dens)
-        return out
+        """Resident and remembered keys, runs, and the learned states with the most keys."""
+        counts: Counter[int] = Counter()
+        for r in self._runs.first.values():
+            counts[r.meta & STATE_MASK] += len(r.keys)
+        return {
+            "resident": len(self._runs.res),
+            "ghost": len(self.ghost),
+            "runs": len(self._runs),
+            "states": self.states.top(counts, self.table.hazard, self.ranked.array),
+        }
 
     def resident(self) -> Collection[object]:
-        return self._meta
+        return self._runs.res

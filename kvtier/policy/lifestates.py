@@ -16,15 +16,14 @@ block's *meta* packs its state, use count and the clock of its last use into one
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import Any, Generic, TypeVar
+from collections import Counter
+from collections.abc import Callable, Hashable
+from itertools import repeat
+from typing import Any
 
 import numpy.typing as npt
 
 from kvtier.policy.lifetable import LifeTable
-
-K = TypeVar("K", bound=Hashable)
 
 #: the last new keys of a request that get a state of their own (place 0 = the leaf)
 TAIL_CLASSES = 3
@@ -76,53 +75,86 @@ class LifeStates:
         return ids
 
     def top(
-        self, metas: Iterable[int], hazard: npt.NDArray[Any], dens: Sequence[Sequence[float]]
+        self, counts: Counter[int], hazard: npt.NDArray[Any], dens: npt.NDArray[Any]
     ) -> list[dict[str, Any]]:
-        """The 16 states with the most keys among ``metas``: name, keys, learned hazard of a use
-        in the first age bucket, density at age 0."""
-        counts = Counter(m & STATE_MASK for m in metas)
+        """The 16 states with the most keys (``counts``: keys by state): name, keys, learned
+        hazard of a use in the first age bucket, density at age 0."""
         return [
             {
                 "state": repr(self.names[s]),
                 "resident": n,
                 "hazard_first_bucket": round(float(hazard[s][0]), 4) if s < len(hazard) else 0.0,
-                "density_age0": round(dens[s][0], 6),
+                "density_age0": round(float(dens[s][0]), 6),
             }
             for s, n in counts.most_common(16)
         ]
 
 
-class Ghost(Generic[K]):
-    """Evicted keys with the metas they had, oldest first, at most ``cap`` of them. A key here
-    still has an open life (its return is a use, learned at its true age); forgetting the oldest
-    censors theirs in ``table``. Not thread-safe."""
+class Ghost:
+    """Evicted keys with the metas they had: a key here still has an open life (its return is
+    a use, learned at its true age). Keys evicted together share one *chunk* (one meta).
+    ``keys`` maps a key to its chunk's id; a chunk's meta and how many of its keys are still
+    remembered are in ``metas``/``alive`` (from id ``base`` on; ids below ``lo`` are
+    forgotten, though their keys may linger in ``keys``). When more than ``cap`` keys are
+    remembered, the oldest chunks are forgotten (their lives censored in ``table``) until half
+    of ``cap`` is left: per-key work is one dict store per eviction and a share of the rebuild.
+    A caller that pops a key from ``keys`` takes it back (``take``). Not thread-safe."""
 
     def __init__(self, cap: int, table: LifeTable) -> None:
-        self.cap = max(1, cap)
+        self.cap = max(2, cap)
         self.table = table
-        #: evicted key -> its meta (the policy pops a key that comes back)
-        self.metas: dict[K, int] = {}
-        self._order: deque[tuple[K, int]] = deque()  # as remembered, oldest first
+        self.keys: dict[Any, int] = {}
+        self.metas: list[int] = []
+        self.alive: list[int] = []
+        self.base = 0  # id of metas[0]
+        self.lo = 0  # chunks below this id are forgotten
 
-    def remember(self, keys: list[K], metas: list[int], now: int) -> None:
-        """``keys`` (with ``metas``) were evicted at ``now``; forget the oldest beyond ``cap``."""
-        known, order = self.metas, self._order
-        known.update(zip(keys, metas, strict=True))
-        order.extend(zip(keys, metas, strict=True))
-        table = self.table
-        last, run = -1, 0
-        while len(known) > self.cap:
-            k, m = order.popleft()
-            if known.get(k) != m:
-                continue  # it came back since
-            del known[k]
-            if m != last:  # keys evicted together share their meta: one call per run
-                if run:
-                    table.censor(last & STATE_MASK, last >> START_SHIFT, now, run)
-                last, run = m, 0
-            run += 1
-        if run:
-            table.censor(last & STATE_MASK, last >> START_SHIFT, now, run)
+    def remember(self, chunks: list[tuple[list[Any], int]], now: int) -> None:
+        """Each chunk's keys were evicted at ``now`` with its meta."""
+        keys, metas, alive = self.keys, self.metas, self.alive
+        i = self.base + len(metas)
+        for ck, m in chunks:
+            if len(ck) == 1:
+                keys[ck[0]] = i
+            else:
+                keys.update(zip(ck, repeat(i)))
+            metas.append(m)
+            alive.append(len(ck))
+            i += 1
+        if len(keys) > self.cap:
+            self._forget(now)
+
+    def take(self, chunk_id: int, count: int) -> int | None:
+        """``count`` keys popped from ``keys`` with ``chunk_id`` came back: their meta (None
+        if the chunk was forgotten: they are new)."""
+        if chunk_id < self.lo:
+            return None
+        j = chunk_id - self.base
+        self.alive[j] -= count
+        return self.metas[j]
+
+    def _forget(self, now: int) -> None:
+        metas, alive, table = self.metas, self.alive, self.table
+        keep = self.cap // 2
+        x = len(alive)
+        n = 0
+        while x > 0 and n + alive[x - 1] <= keep:
+            x -= 1
+            n += alive[x]
+        gone: dict[int, int] = {}
+        for j in range(x):  # chunks 0 .. x-1 are forgotten: one censor per meta
+            c = alive[j]
+            if c:
+                m = metas[j]
+                gone[m] = gone.get(m, 0) + c
+        for m, c in gone.items():
+            table.censor(m & STATE_MASK, m >> START_SHIFT, now, c)
+        self.base += x
+        self.lo = self.base
+        del metas[:x]
+        del alive[:x]
+        lo = self.lo
+        self.keys = {k: i for k, i in self.keys.items() if i >= lo}
 
     def __len__(self) -> int:
-        return len(self.metas)
+        return len(self.keys)

@@ -79,6 +79,9 @@ class LifeTable:
         #: hit density by [state, age bucket] (``refit``); all zero until the first refit
         self.density: npt.NDArray[np.float64] = np.zeros((0, k))
         self.hazard: npt.NDArray[np.float64] = np.zeros((0, k))
+        #: a second table fed the same lives (``open``, ``close``, ``censor``), e.g. at the
+        #: scale of a whole hierarchy; its owner grows, ticks and refits it
+        self.also: LifeTable | None = None
 
     # -- bookkeeping -----------------------------------------------------------------------
     def grow(self, states: int) -> None:
@@ -105,12 +108,12 @@ class LifeTable:
         """Flat views of the arrays (row-major), for the O(1) updates: an element of a
         memoryview reads and writes as a Python float, several times cheaper than numpy's
         scalar indexing (the arithmetic is the same: IEEE doubles)."""
-        self._ev_v = _view(self._ev)
-        self._xd_v = _view(self._xd)
-        self._open_v = _view(self._open)
-        self._old_v = _view(self._old)
-        self._old_sb_v = _view(self._old_sb)
-        self._last_v = _view(self._last)
+        self._ev_v = flat_view(self._ev)
+        self._xd_v = flat_view(self._xd)
+        self._open_v = flat_view(self._open)
+        self._old_v = flat_view(self._old)
+        self._old_sb_v = flat_view(self._old_sb)
+        self._last_v = flat_view(self._last)
 
     def tick(self, now: int) -> bool:
         """The clock moved to ``now``: retire ring slots whose lives are now older than the ring
@@ -155,6 +158,8 @@ class LifeTable:
 
     def open(self, state: int, start: int, count: int = 1) -> None:
         """``count`` lives of ``state`` start at ``start`` (the current clock)."""
+        if self.also is not None:
+            self.also.open(state, start, count)
         ring = self._ring
         self._open_v[state * ring + (start // self.width) % ring] += count * math.exp(
             (start - self._base) / self.tau
@@ -162,6 +167,8 @@ class LifeTable:
 
     def close(self, state: int, start: int, now: int, count: int = 1) -> None:
         """``count`` lives of ``state`` that started at ``start`` end with a use at ``now``."""
+        if self.also is not None:
+            self.also.close(state, start, now, count)
         a = count * math.exp((start - self._base) / self.tau)
         self._unopen(state, start, a)
         b = (now - start) // self.width
@@ -176,6 +183,8 @@ class LifeTable:
 
     def censor(self, state: int, start: int, now: int, count: int = 1) -> None:
         """``count`` open lives are forgotten at ``now`` (exposure up to their age, no event)."""
+        if self.also is not None:
+            self.also.censor(state, start, now, count)
         a = count * math.exp((start - self._base) / self.tau)
         self._unopen(state, start, a)
         done = (now - start) // self.width
@@ -231,7 +240,7 @@ class LifeTable:
         self.density = surv.T
 
 
-def _view(a: npt.NDArray[np.float64]) -> memoryview[float]:
+def flat_view(a: npt.NDArray[np.float64]) -> memoryview[float]:
     """A flat, writable view of C-ordered ``a`` whose elements are Python floats."""
     return (a.data if a.size else memoryview(bytearray())).cast("B").cast("d")
 
@@ -324,3 +333,65 @@ def _windows_bm(
         surv, ns, held, nh = ns, surv, nh, held
         m *= 2
     return surv[:k], held[:k]
+
+
+class DensityTable:
+    """A ``LifeTable`` at the scale of ``blocks`` blocks, as a policy ranks by it: refit every
+    ``refit_buckets`` age buckets of the clock (at least every ``min_refit`` of it), with its
+    densities made non-increasing in age (the running minimum) and flat (``dens[s * buckets +
+    bucket]``, for hot loops). ``epoch`` moves whenever the age buckets or densities moved."""
+
+    def __init__(
+        self,
+        blocks: int,
+        *,
+        width_fraction: float,
+        buckets: int,
+        tau_fraction: float,
+        horizon_fraction: float,
+        prior_fraction: float,
+        refit_buckets: int,
+        min_refit: int,
+    ) -> None:
+        blocks = max(1, blocks)
+        self.table = LifeTable(
+            width=max(1, int(blocks * width_fraction)),
+            buckets=buckets,
+            tau=max(1.0, blocks * tau_fraction),
+            horizon=max(1, int(blocks * horizon_fraction)),
+            prior=max(1.0, blocks * prior_fraction),
+        )
+        self.width = self.table.width
+        self.buckets = self.table.buckets
+        self.epoch = 0
+        self._every = max(self.width * refit_buckets, min_refit)
+        self.next_refit = self._every  # the clock at which the next refit is due
+        self.array = np.zeros((0, self.buckets))
+        self.dens: memoryview[float] = flat_view(self.array)
+
+    def grow(self, states: int) -> None:
+        """Room for states ``0 .. states - 1`` (table rows and densities)."""
+        self.table.grow(states)
+        if len(self.array) < states:
+            grown = np.zeros((states, self.buckets))
+            grown[: len(self.array)] = self.array
+            self.array = grown
+            self.dens = flat_view(grown)
+
+    def advance(self, now: int) -> bool:
+        """The clock moved to ``now``: tick, refit when due. True when ``epoch`` moved."""
+        moved = self.table.tick(now)
+        if now >= self.next_refit:
+            self.table.refit(now)
+            self.next_refit = now + self._every
+            self.array = np.ascontiguousarray(np.minimum.accumulate(self.table.density, axis=1))
+            self.dens = flat_view(self.array)
+            moved = True
+        if moved:
+            self.epoch += 1
+        return moved
+
+    def density(self, s: int, age: int) -> float:
+        """The density of state ``s`` at ``age`` (clock units)."""
+        b = age // self.width
+        return self.dens[s * self.buckets + (b if b < self.buckets else self.buckets - 1)]

@@ -99,11 +99,12 @@ class S3FIFO(EvictionPolicy[K]):
         self._demoted = False  # fed by the demotions of the tier above (feed_by_demotion)
         self._passes_down = False  # a tier below takes this one's victims (and labels)
 
-    def feed_by_demotion(self, upper: EvictionPolicy[K] | None = None) -> None:
+    def feed_by_demotion(self, upper: EvictionPolicy[K] | None = None) -> EvictionPolicy[K]:
         self._demoted = True  # an insert is a batch of victims: no request, no tail
         if isinstance(upper, S3FIFO):  # victims keep the verdict of their request's class
             self._classes = upper._classes
             upper._passes_down = True
+        return self
 
     def insert(self, keys: Sequence[K], hint: Hashable | None = None) -> None:
         if self._demoted:

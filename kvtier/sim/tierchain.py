@@ -13,7 +13,6 @@ each node and the shared tiers).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from itertools import pairwise
 
 from kvtier.policy import EvictionPolicy
 from kvtier.policy.base import always
@@ -27,8 +26,8 @@ class TierChain:
         is fed by the demotions of the one above (``feed_by_demotion``)."""
         self.pols = list(pols)
         self.caps = list(caps)
-        for upper, pol in pairwise(self.pols):
-            pol.feed_by_demotion(upper)  # an insert there is a batch of victims, not a chain
+        for t in range(1, len(self.pols)):  # an insert there is a batch of victims, not a chain
+            self.pols[t] = self.pols[t].feed_by_demotion(self.pols[t - 1])
         self.where: dict[int, int] = {}  # resident block -> its tier
         n = len(self.pols)
         self.promoted = [0] * n  # blocks read out of tier t (t > 0) and moved up
