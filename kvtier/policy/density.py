@@ -35,7 +35,7 @@ from __future__ import annotations
 import heapq
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Hashable, Sequence
-from itertools import groupby, repeat
+from itertools import repeat
 from typing import Any, ClassVar
 
 from kvtier.policy.base import EvictionPolicy, K, always
@@ -43,7 +43,6 @@ from kvtier.policy.lifestates import (
     MAX_USE_COUNT,
     START_SHIFT,
     STATE_MASK,
-    TAIL_CLASSES,
     USES_SHIFT,
     Ghost,
     LifeStates,
@@ -239,7 +238,7 @@ class HitDensity(EvictionPolicy[K]):
             self._last_root = None
             if i < n:
                 n_new = n - i
-                fresh = self._new_runs(chain[i:], new_ids, stamp)
+                fresh = self.states.arrivals(chain[i:], new_ids, stamp, self.ghost)
                 added = runs.add(fresh, chain[i - 1] if i else None)
                 if added[0].pkey is None:
                     self._last_root = added[0]
@@ -257,54 +256,6 @@ class HitDensity(EvictionPolicy[K]):
                 top[s] = now
                 heapq.heappush(self._heap, (dens[s * nb], now, s))
         return n_new
-
-    def _new_runs(
-        self, new: list[Any], new_ids: list[int], stamp: int
-    ) -> list[tuple[list[Any], int]]:
-        """The runs (keys, meta) of a request's new keys ``new``: brand-new keys get the state
-        of their place (the last ``TAIL_CLASSES`` one each, the rest the body's), keys back from
-        the ghost a use (learned at its age); neighbours with one meta are one run."""
-        nn = len(new)
-        t = TAIL_CLASSES
-        runs: list[tuple[list[Any], int]] = []
-        ghost = self.ghost
-        gh = ghost.keys
-        gids = list(map(gh.pop, new, repeat(None))) if gh else None
-        if gids is None or gids.count(None) == nn:  # all brand new: body and tail places
-            if nn > t:
-                runs.append((new[: nn - t], stamp | 1 << USES_SHIFT | new_ids[t]))
-            for p in range(min(nn, t) - 1, -1, -1):
-                runs.append(([new[nn - 1 - p]], stamp | 1 << USES_SHIFT | new_ids[p]))
-            return runs
-        table, steps = self.table, self.states.steps
-        now = stamp >> START_SHIFT
-        body = stamp | 1 << USES_SHIFT | new_ids[t]
-        place = 0
-        x = nn
-        for gi, it in reversed([(g, len(list(it))) for g, it in groupby(gids)]):  # leaf first
-            c = it
-            g = ghost.take(gi, c) if gi is not None else None
-            if g is None:  # brand new (or forgotten by the ghost): places count these
-                while place < t and c:
-                    runs.append(([new[x - 1]], stamp | 1 << USES_SHIFT | new_ids[place]))
-                    place += 1
-                    x -= 1
-                    c -= 1
-                if c:
-                    runs.append((new[x - c : x], body))
-                    x -= c
-            else:
-                table.close(g & STATE_MASK, g >> START_SHIFT, now, c)
-                runs.append((new[x - c : x], stamp | steps[(g >> USES_SHIFT) & MAX_USE_COUNT]))
-                x -= c
-        runs.reverse()
-        merged: list[tuple[list[Any], int]] = []
-        for ks, m in runs:
-            if merged and merged[-1][1] == m:
-                merged[-1][0].extend(ks)
-            else:
-                merged.append((ks, m))
-        return merged
 
     def _advance(self) -> None:
         """The clock moved into a new age bucket or past a refit: tick and refit the tables

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Hashable
-from itertools import repeat
+from itertools import groupby, repeat
 from typing import Any
 
 import numpy.typing as npt
@@ -73,6 +73,55 @@ class LifeStates:
             if len(self._new) < self.max_states:
                 self._new[hint] = ids
         return ids
+
+    def arrivals(
+        self, new: list[Any], new_ids: list[int], stamp: int, ghost: Ghost
+    ) -> list[tuple[list[Any], int]]:
+        """The metas a request's new keys ``new`` (prefix order) start with at ``stamp``
+        (``now << START_SHIFT``), as runs (keys, meta): a brand-new key gets the state of its
+        place (``new_ids``, from ``new``: the last ``TAIL_CLASSES`` keys one each, the rest the
+        body's); a key back from ``ghost`` is taken from it, and its life there ends in a use
+        (learned in the ghost's table at its true age). Neighbours with one meta are one run."""
+        nn = len(new)
+        t = TAIL_CLASSES
+        runs: list[tuple[list[Any], int]] = []
+        gh = ghost.keys
+        gids = list(map(gh.pop, new, repeat(None))) if gh else None
+        if gids is None or gids.count(None) == nn:  # all brand new: body and tail places
+            if nn > t:
+                runs.append((new[: nn - t], stamp | 1 << USES_SHIFT | new_ids[t]))
+            for p in range(min(nn, t) - 1, -1, -1):
+                runs.append(([new[nn - 1 - p]], stamp | 1 << USES_SHIFT | new_ids[p]))
+            return runs
+        table, steps = ghost.table, self.steps
+        now = stamp >> START_SHIFT
+        body = stamp | 1 << USES_SHIFT | new_ids[t]
+        place = 0
+        x = nn
+        for gi, it in reversed([(g, len(list(it))) for g, it in groupby(gids)]):  # leaf first
+            c = it
+            g = ghost.take(gi, c) if gi is not None else None
+            if g is None:  # brand new (or forgotten by the ghost): places count these
+                while place < t and c:
+                    runs.append(([new[x - 1]], stamp | 1 << USES_SHIFT | new_ids[place]))
+                    place += 1
+                    x -= 1
+                    c -= 1
+                if c:
+                    runs.append((new[x - c : x], body))
+                    x -= c
+            else:
+                table.close(g & STATE_MASK, g >> START_SHIFT, now, c)
+                runs.append((new[x - c : x], stamp | steps[(g >> USES_SHIFT) & MAX_USE_COUNT]))
+                x -= c
+        runs.reverse()
+        merged: list[tuple[list[Any], int]] = []
+        for ks, m in runs:
+            if merged and merged[-1][1] == m:
+                merged[-1][0].extend(ks)
+            else:
+                merged.append((ks, m))
+        return merged
 
     def top(
         self, counts: Counter[int], hazard: npt.NDArray[Any], dens: npt.NDArray[Any]
