@@ -7,6 +7,7 @@ import random
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
 from kvtier.policy.base import always
 from kvtier.policy.chainlinks import ChainLinks
@@ -15,6 +16,7 @@ from kvtier.policy.densitybelow import DensityBelow
 from kvtier.policy.lifetable import LifeTable, _smoothed, _subtract_at, _windows
 from kvtier.sim.replay import TierSpec, replay
 from tests.helpers import SMALL, host_store, kv_for
+from tests.test_policies import check_set_model, ops
 from tests.test_sim import tree_trace
 
 
@@ -434,3 +436,27 @@ def test_each_tier_below_ranks_by_a_table_at_its_own_scale() -> None:
     events = [t.table._ev.sum() for t in (top.ranked, mid._scale, low._scale)]  # type: ignore[union-attr]
     assert events[0] == pytest.approx(3.0, rel=0.01)
     assert events == pytest.approx([events[0]] * 3)
+
+
+def test_a_chain_that_breaks_prefix_order_is_taken_as_new_keys() -> None:
+    """Keys are meant to identify their prefix; a caller that breaks it (1 came below 0, now
+    below 5) must not break the policy: such a key is forgotten where it was and inserted
+    anew, the keys below it stay (orphans), and everything is evictable, children first."""
+    pol: HitDensity[int] = HitDensity(16)
+    pol.insert([0, 1, 2, 3, 4])
+    pol.insert([0, 5, 1])  # 0 is a split-off part of its run, 1 the first key of the rest
+    assert sorted(pol.resident()) == [0, 1, 2, 3, 4, 5]  # type: ignore[type-var]
+    order = pol.evict(6, always)
+    assert order is not None and sorted(order) == [0, 1, 2, 3, 4, 5]
+    assert order.index(1) < order.index(5) < order.index(0)
+    assert order.index(4) < order.index(3) < order.index(2)
+
+
+@settings(max_examples=400, deadline=None)
+@given(ops=ops)
+def test_density_matches_a_set_model_in_many_orders(
+    ops: list[tuple[str, list[int]]],
+) -> None:
+    """The set-model check of every policy, with more examples: density's runs split, merge and
+    get cut in many ways (small keys repeat in new orders, which breaks prefix order)."""
+    check_set_model("density", ops)

@@ -124,6 +124,11 @@ ops = st.lists(
 @given(ops=ops)
 def test_policy_matches_a_set_model(name: str, ops: list[tuple[str, list[int]]]) -> None:
     """Whatever the order, a policy's resident set is exactly what a dict model says."""
+    check_set_model(name, ops)
+
+
+def check_set_model(name: str, ops: list[tuple[str, list[int]]]) -> None:
+    """Replay ``ops`` on policy ``name`` (6 blocks) and on a dict model, comparing after each."""
     p = make_policy(name, 6)
     model: dict[int, None] = {}
     for op, keys in ops:

@@ -179,14 +179,14 @@ class HitDensity(EvictionPolicy[K]):
         runs = self._runs
         res, first = runs.res, runs.first
         steps = self.states.steps
-        used: list[Run] = []
+        used: list[tuple[Run, int]] = []  # the runs used, with the metas they had
         i = 0
         r = first.get(chain[0])
         while r is not None:  # the leading resident keys, run by run
             ks = r.keys
             ln = len(ks)
             if chain[i : i + ln] == ks:
-                used.append(r)
+                used.append((r, r.meta))
                 i += ln
                 if i == n:
                     break
@@ -197,8 +197,9 @@ class HitDensity(EvictionPolicy[K]):
             j = pres.index(False) if False in pres else len(seg)
             if j == 0 or ks[:j] != seg[:j]:
                 break  # not a prefix of this run: handled below
-            new_m = (self.now << START_SHIFT) | steps[(r.meta >> USES_SHIFT) & MAX_USE_COUNT]
-            used.append(runs.split(r, j, new_m != r.meta))
+            m = r.meta
+            new_m = (self.now << START_SHIFT) | steps[(m >> USES_SHIFT) & MAX_USE_COUNT]
+            used.append((runs.split(r, j, new_m != m), m))
             i += j
             break
         # keys past the leading run that are resident anyway: prefix order broken by the caller
@@ -214,16 +215,12 @@ class HitDensity(EvictionPolicy[K]):
         filed: list[Run] = []
         queued: list[Run] = []  # used runs whose queue entry stays valid (meta unchanged)
         prev: Run | None = None
-        for r in used:
-            m = r.meta
-            if m >= 0:
-                if not r.wait:
-                    if m == stamp | steps[(m >> USES_SHIFT) & MAX_USE_COUNT]:
-                        queued.append(r)  # used again at the same clock: same meta
-                    else:
-                        self._stale += 1  # its queue entry goes stale
-            else:  # just split off: its meta is the entry's (kept by the tail)
-                m = r.kids[0].meta  # type: ignore[index]
+        for r, m in used:
+            if r.meta >= 0 and not r.wait:  # (a run split off here: its entry is the tail's)
+                if m == stamp | steps[(m >> USES_SHIFT) & MAX_USE_COUNT]:
+                    queued.append(r)  # used again at the same clock: same meta
+                else:
+                    self._stale += 1  # its queue entry goes stale
             table.close(m & STATE_MASK, m >> START_SHIFT, now, len(r.keys))
             new = stamp | steps[(m >> USES_SHIFT) & MAX_USE_COUNT]
             if prev is not None and prev.meta == new and prev.kids == [r]:

@@ -106,9 +106,10 @@ class RunIndex:
 
     def split(self, r: Run, j: int, head_may_keep: bool) -> Run:
         """Split ``r`` after its first ``j`` keys (0 < j < len); returns the head part, with
-        meta -2 (the caller stamps it). The tail keeps ``r``'s meta and queue entry; the larger
-        part keeps the object (fewer map updates), the tail always when ``head_may_keep`` is
-        false (the head's new meta would equal the old one, and the old entry would name it)."""
+        meta -2 (the caller stamps it, and keeps the old one if it needs it). The tail keeps
+        ``r``'s meta and queue entry; the larger part keeps the object (fewer map updates), the
+        tail always when ``head_may_keep`` is false (the head's new meta would equal the old
+        one, and the old entry would name it)."""
         first, last = self.first, self.last
         ks = r.keys
         m = r.meta
