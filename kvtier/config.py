@@ -25,7 +25,8 @@ Environment overrides: ``KVTIER_<KEY>`` sets ``store.<key>`` (``KVTIER_POLICY=lr
 Env values are text: numbers are read as numbers, booleans as 1/0, true/false, yes/no, on/off.
 ``KVTIER_`` belongs to kvtier: an unknown ``KVTIER_<KEY>`` is an error, as is an unknown key, a
 value of the wrong type or out of range; the ``ConfigError`` names the key, the bad value and the
-env var or file it came from.
+env var or file it came from. ``KVTIER_PURE`` is no store key: it selects the pure-Python build of
+the policies at import (``kvtier/_native.py``), and the config ignores it.
 """
 
 from __future__ import annotations
@@ -290,11 +291,15 @@ def _layout_from(s: _Section) -> KVLayout:
     return KVLayout(layers, heads, dim, dtype, s.integer("kv_factor", 2, 1, 2), block_tokens)
 
 
+#: ``KVTIER_*`` variables read elsewhere (``kvtier._native``), not store keys
+_NOT_CONFIG = frozenset({"KVTIER_PURE"})
+
+
 def _apply_env(s: _Section, tiers: list[dict[str, Any]], env: Mapping[str, str]) -> None:
     """Apply ``KVTIER_*`` overrides; kvtier owns the prefix, so an unknown name is an error."""
     tier_re = re.compile(r"^KVTIER_TIER(\d+)_(\w+)$")
     for name, value in env.items():
-        if not name.startswith("KVTIER_"):
+        if not name.startswith("KVTIER_") or name in _NOT_CONFIG:
             continue
         m = tier_re.match(name)
         if m:

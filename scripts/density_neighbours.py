@@ -9,12 +9,18 @@ settings, then with each listed ``HitDensity`` class attribute changed on its ow
 mean of the five: one capacity's figure moves by +-0.005 with small changes (which blocks happen
 to be kept feeds back into what is learned), so the band mean is the steadier measure. It prints
 S3-FIFO's band first, for reference; about a minute.
+
+It sets ``HitDensity``'s class attributes, which a compiled class does not allow, so it runs the
+pure-Python policies (``KVTIER_PURE=1``, ``kvtier/_native.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
+
+os.environ["KVTIER_PURE"] = "1"  # before kvtier is imported
 
 from kvtier.policy.density import HitDensity
 from kvtier.sim.replay import TierSpec, replay

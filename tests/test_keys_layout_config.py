@@ -131,6 +131,8 @@ def test_config_validation_and_env_overrides() -> None:
     cfg = StoreConfig.from_dict(raw, env={"KVTIER_POLICY": "lru", "KVTIER_TIER0_CAPACITY": "2GiB"})
     assert cfg.policy == "lru" and cfg.tiers[0]["capacity"] == "2GiB"
     assert cfg.layout.dtype == "bfloat16"
+    # KVTIER_PURE selects the pure-Python policies (kvtier/_native.py): no store key, no error
+    assert StoreConfig.from_dict(raw, env={"KVTIER_PURE": "1"}).tiers[0]["capacity"] == "1GiB"
     with pytest.raises(ConfigError, match="unknown key"):
         StoreConfig.from_dict({"store": {"model": "Llama-3.1-8B", "colour": 1}}, env={})
     with pytest.raises(ConfigError, match="layers"):

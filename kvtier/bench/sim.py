@@ -7,6 +7,7 @@ Targets: >= 1M block events/s; the shared Mooncake trace (4k requests) end to en
 ``cpu_events_per_s`` divides by the best round's CPU time of this process instead of wall time:
 on a virtual machine whose host takes the CPU away (steal), wall time grows while the simulator
 does nothing, and the CPU figure shows what it does when it runs.
+``compiled`` says whether the policies and the replay loop ran compiled (``kvtier._native``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import time
 from typing import Any
 
+from kvtier import _native
 from kvtier.policy import DEFAULT_POLICY
 from kvtier.sim.options import add_hints_argument
 
@@ -69,4 +71,5 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "floor_events_per_s": events / floor,
         "ratio_to_floor": floor / best,
         "rounds": max(args.rounds, 1),
+        "compiled": _native.compiled(),
     }

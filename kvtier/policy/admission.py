@@ -38,7 +38,7 @@ of the time, one with a long answer 2-12% (docs/simulation.md).
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Any, Final, Generic
+from typing import Any, ClassVar, Final, Generic
 
 from kvtier.policy.base import K
 
@@ -73,7 +73,8 @@ class ReuseClasses(Generic[K]):
     cold_ratio: float = 0.4
     #: ``HOT``: more than this share of the class's new keys came back
     hot_above: float = 0.7
-    max_classes: int = 4096
+    #: classes learned at most (a class variable: S3-FIFO reads it off the class)
+    max_classes: ClassVar[int] = 4096
 
     def __init__(self, window: int, handoff: int) -> None:
         """``window``: new keys of one class after which its counts are halved; ``handoff``:

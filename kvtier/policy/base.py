@@ -18,9 +18,21 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Hashable, Sequence
 from typing import Any, ClassVar, Generic, TypeVar
 
+try:
+    from mypy_extensions import mypyc_attr
+except ImportError:  # read by mypyc when it compiles this module (kvtier/_native.py): a no-op
+
+    def mypyc_attr(*attrs: str, **kwattrs: object) -> Callable[[T], T]:
+        return lambda cls: cls
+
+
 K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
 
 
+# compiled with mypyc, a class only compiled classes may subclass unless it says otherwise
+# (kvtier.sim.belady.Belady and test policies are interpreted)
+@mypyc_attr(allow_interpreted_subclasses=True)
 class EvictionPolicy(ABC, Generic[K]):
     """Tracks resident keys of one tier and picks victims. Not thread-safe (one decider)."""
 
