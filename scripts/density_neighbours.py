@@ -64,7 +64,7 @@ def main() -> None:
     trace = read_trace(args.trace)
     caps = [round(args.capacity * f) for f in BAND] if args.band else [args.capacity]
     if args.band:
-        print(_line("s3fifo (the default)", _ratios(trace, caps, "s3fifo"), True), flush=True)
+        print(_line("s3fifo", _ratios(trace, caps, "s3fifo"), True), flush=True)
     print(_line("shipped settings", _ratios(trace, caps, "density"), args.band), flush=True)
     for name, value in NEIGHBOURS:
         old = getattr(HitDensity, name)

@@ -4,7 +4,7 @@
 
     model = "Llama-3.1-70B"
     dtype = "bf16"
-    policy = "s3fifo"
+    policy = "density"
 
     [gpu]
     name = "H100-SXM"
