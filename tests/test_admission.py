@@ -225,7 +225,7 @@ def test_hints_pay_in_the_simulator() -> None:
 def test_store_passes_the_reuse_class_and_only_a_load_is_a_reuse() -> None:
     """A request that stores its prompt and then prompt + answer (the HF integration's
     default) reuses nothing: the cached part is reordered, not hit. A later load is a reuse."""
-    with host_store(16) as st:
+    with host_store(16, policy="s3fifo") as st:
         toks = list(range(12))  # 3 blocks
         st.store(toks[:8], kv_for(toks[:8]), reuse_class="doc")
         st.store(toks, kv_for(toks), reuse_class="doc")  # 2 cached blocks, 1 new
@@ -271,7 +271,7 @@ def _store_dead_and_docs(st: TieredStore, n: int, base: int) -> None:
 
 def test_store_labels_follow_demotions_to_the_lower_tier() -> None:
     """In the store, a cold class learned in the first tier is cold in the tier below too."""
-    with host_store(8, lower=400) as st:
+    with host_store(8, lower=400, policy="s3fifo") as st:
         _store_dead_and_docs(st, 120, 10_000)
         st.flush()
         lower = st._index.policies[1]
@@ -280,7 +280,7 @@ def test_store_labels_follow_demotions_to_the_lower_tier() -> None:
 
 
 def test_stats_show_what_the_policy_learned() -> None:
-    with host_store(8, lower=64) as st:
+    with host_store(8, lower=64, policy="s3fifo") as st:
         _store_dead_and_docs(st, 80, 20_000)
         st.flush()
         pols = st.stats()["policies"]
