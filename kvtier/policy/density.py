@@ -46,6 +46,7 @@ from kvtier.policy.lifestates import (
     USES_SHIFT,
     Ghost,
     LifeStates,
+    queue_heads,
 )
 from kvtier.policy.lifetable import DensityTable
 from kvtier.policy.runs import Cut, Run, RunIndex, resolve
@@ -280,10 +281,8 @@ class HitDensity(EvictionPolicy[K]):
     def _rebuild(self) -> None:
         """Every state's heap entry from its queue's oldest live entry (after queues changed
         other than at their ends)."""
-        top = self._top
-        heap = []
         stale = 0
-        for s, q in enumerate(self._queues):
+        for q in self._queues:
             while q:
                 r, m = q[-1]
                 if r.meta == m:
@@ -295,15 +294,8 @@ class HitDensity(EvictionPolicy[K]):
                 else:
                     q[-1] = (live, m)
                     break
-            if q:
-                start = q[-1][1] >> START_SHIFT
-                heap.append((self.density(s, start), start, s))
-                top[s] = start
-            else:
-                top[s] = -1
         self._stale -= stale
-        heapq.heapify(heap)
-        self._heap = heap
+        self._heap = queue_heads(self._queues, self._top, self.density)
 
     # -- eviction -----------------------------------------------------------------------------
     def _requeue(self, r: Run) -> None:

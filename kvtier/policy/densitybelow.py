@@ -27,7 +27,7 @@ from typing import Any
 from kvtier.policy.base import EvictionPolicy, K, always
 from kvtier.policy.chainlinks import ChainLinks
 from kvtier.policy.density import HitDensity
-from kvtier.policy.lifestates import START_SHIFT, STATE_MASK
+from kvtier.policy.lifestates import START_SHIFT, STATE_MASK, queue_heads
 
 Entry = tuple[Any, int]  # a queued key and the meta it was queued with (stale once it changed)
 _FLAT = [0.0]  # the densities without a table: one state, one bucket, all equal
@@ -142,22 +142,14 @@ class DensityBelow(EvictionPolicy[K]):
 
     def _rebuild(self) -> None:
         """Every state's heap entry from its queue's oldest live entry."""
-        meta, top = self._meta, self._top
-        heap = []
+        meta = self._meta
         stale = 0
-        for s, q in enumerate(self._queues):
+        for q in self._queues:
             while q and meta.get(q[-1][0]) != q[-1][1]:
                 q.pop()
                 stale += 1
-            if q:
-                start = q[-1][1] >> START_SHIFT
-                heap.append((self._density(s, start), start, s))
-                top[s] = start
-            else:
-                top[s] = -1
         self._stale -= stale
-        heapq.heapify(heap)
-        self._heap = heap
+        self._heap = queue_heads(self._queues, self._top, self._density)
 
     # -- eviction -----------------------------------------------------------------------------
     def remove(self, key: K) -> None:

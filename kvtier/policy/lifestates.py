@@ -11,13 +11,15 @@ A block's *state* is set at its last use from what the policy knew then:
 States are small ints handed out in order of first use, at most ``max_states`` (a caller passing
 a new hint with every request gets state 0, the catch-all, once they are used up). A resident
 block's *meta* packs its state, use count and the clock of its last use into one int:
-``start << START_SHIFT | uses << USES_SHIFT | state``.
+``start << START_SHIFT | uses << USES_SHIFT | state``. A policy queues its entries (a key or a
+run, with its meta) per state, oldest at the right; ``queue_heads`` prices the oldest of each.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable, Hashable
+import heapq
+from collections import Counter, deque
+from collections.abc import Callable, Hashable, Sequence
 from itertools import groupby, repeat
 from typing import Any
 
@@ -207,3 +209,20 @@ class Ghost:
 
     def __len__(self) -> int:
         return len(self.keys)
+
+
+def queue_heads(
+    queues: Sequence[deque[tuple[Any, int]]], top: list[int], price: Callable[[int, int], float]
+) -> list[tuple[float, int, int]]:
+    """The heap of queue heads, ``(price(state, start), start, state)`` of each queue's oldest
+    entry (live: the caller dropped stale ones), and ``top`` set to those starts (-1: empty)."""
+    heap = []
+    for s, q in enumerate(queues):
+        if q:
+            start = q[-1][1] >> START_SHIFT
+            heap.append((price(s, start), start, s))
+            top[s] = start
+        else:
+            top[s] = -1
+    heapq.heapify(heap)
+    return heap
