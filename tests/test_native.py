@@ -35,8 +35,14 @@ with warnings.catch_warnings(record=True) as caught:
     import kvtier.policy, kvtier.sim.replay, kvtier.sim.belady
     from kvtier.sim.replay import TierSpec, replay
     from tests.test_sim import tree_trace
-    tiers = [TierSpec("a", 30, "s3fifo"), TierSpec("b", 60, "density")]
-    ratio = replay(tree_trace(7, n_req=600, nodes=300), tiers)
+    trace = tree_trace(7, n_req=600, nodes=300)
+    setups = [
+        [TierSpec("a", 30, "s3fifo"), TierSpec("b", 60, "density")],
+        [TierSpec("a", 30, "density"), TierSpec("b", 60, "density"), TierSpec("c", 90, "density")],
+        [TierSpec("a", 40, "density")],
+    ]
+    runs = [replay(trace, tiers) for tiers in setups]
+    ratio = runs[0]
     for m in json.loads(sys.argv[1]):
         __import__(m)
 print(json.dumps({
@@ -44,6 +50,9 @@ print(json.dumps({
     "warnings": [str(w.message) for w in caught],
     "compiled": native.compiled(),
     "ratio": ratio.token_hit_ratio,
+    "replays": [
+        [r.hit_tokens.tolist(), list(r.written_blocks), list(r.evicted_blocks)] for r in runs
+    ],
 }))
 """
 
@@ -119,9 +128,13 @@ def test_kvtier_pure_loads_every_module_from_source() -> None:
 
 
 def test_compiled_and_pure_replays_agree() -> None:
-    """The same two-tier replay, as this process's build runs it and pure (bit-identical)."""
+    """The same replays (S3-FIFO over density; three density tiers; one), as this process's
+    build runs them and pure: every request's hits per tier and every tier's writes and
+    evictions are the same (bit-identical)."""
     modules = built_modules()
-    assert probe(modules)["ratio"] == probe(modules, pure=True)["ratio"]
+    built, pure = probe(modules), probe(modules, pure=True)
+    assert built["ratio"] == pure["ratio"] and built["ratio"] > 0
+    assert built["replays"] == pure["replays"]
 
 
 def test_stale_lists_changed_sources_and_new_ones_the_globs_match() -> None:
