@@ -212,7 +212,7 @@ def test_density_in_a_hierarchy(seed: int) -> None:
     """A lower tier fed by the first tier's victims ranks them with the first tier's table:
     hits and demotions add up, and a second tier only adds hits."""
     trace = tree_trace(seed, n_req=300, nodes=120)
-    one = replay(trace, [TierSpec("x", 8, "density")])
+    one = replay(trace, [TierSpec("x", 8, "density-always")])
     two = replay(trace, [TierSpec("x", 8, "density"), TierSpec("y", 24, "density")])
     assert two.hit_tokens.sum() >= one.hit_tokens.sum()
     assert two.written_blocks[1] == two.evicted_blocks[0]  # every victim demoted
@@ -222,7 +222,7 @@ def test_density_in_a_hierarchy(seed: int) -> None:
 
 def test_store_runs_on_the_density_policy() -> None:
     bt = SMALL.block_tokens
-    with host_store(blocks=8, policy="density") as st:
+    with host_store(blocks=8, policy="density-always") as st:
         for doc in range(6):
             tokens = [doc * 1000 + i for i in range(3 * bt)]
             st.store(tokens, kv_for(tokens))
@@ -459,4 +459,4 @@ def test_density_matches_a_set_model_in_many_orders(
 ) -> None:
     """The set-model check of every policy, with more examples: density's runs split, merge and
     get cut in many ways (small keys repeat in new orders, which breaks prefix order)."""
-    check_set_model("density", ops)
+    check_set_model("density-always", ops)

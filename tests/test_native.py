@@ -39,6 +39,7 @@ with warnings.catch_warnings(record=True) as caught:
     setups = [
         [TierSpec("a", 30, "s3fifo"), TierSpec("b", 60, "density")],
         [TierSpec("a", 30, "density"), TierSpec("b", 60, "density"), TierSpec("c", 90, "density")],
+        [TierSpec("a", 40, "density-always")],
         [TierSpec("a", 40, "density")],
     ]
     runs = [replay(trace, tiers) for tiers in setups]

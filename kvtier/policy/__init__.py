@@ -11,6 +11,7 @@ from collections.abc import Hashable
 from kvtier.errors import ConfigError
 from kvtier.policy.base import EvictionPolicy
 from kvtier.policy.density import HitDensity
+from kvtier.policy.fallback import DensityOrLRU
 from kvtier.policy.lru import LRU
 from kvtier.policy.s3fifo import S3FIFO
 
@@ -18,10 +19,12 @@ POLICIES: dict[str, type[EvictionPolicy[Hashable]]] = {
     LRU.name: LRU,
     S3FIFO.name: S3FIFO,
     HitDensity.name: HitDensity,
+    DensityOrLRU.name: DensityOrLRU,
 }
 # Chosen by the policy-quality benchmark on the Mooncake trace (docs/simulation.md): 0.8x
-# Belady's token hit ratio at 10k blocks (S3-FIFO 0.78x), above LRU on the capacity sweep.
-DEFAULT_POLICY = HitDensity.name
+# Belady's token hit ratio at 10k blocks (S3-FIFO 0.78x); plain LRU in a cache too small to
+# learn from, so never below LRU (``density-always`` learns at every size).
+DEFAULT_POLICY = DensityOrLRU.name
 
 
 def make_policy(name: str, capacity: int) -> EvictionPolicy[Hashable]:

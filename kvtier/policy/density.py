@@ -58,7 +58,7 @@ _INF = float("inf")
 class HitDensity(EvictionPolicy[K]):
     """Prefix-aware hit-density eviction with an online life table (module docstring)."""
 
-    name = "density"
+    name = "density-always"  # the default, ``density``, is this or LRU (kvtier.policy.fallback)
     #: age bucket width, as a fraction of the capacity (in blocks inserted)
     width_fraction: ClassVar[float] = 1 / 64
     #: age buckets kept (older ages share the last)

@@ -1,0 +1,111 @@
+"""The default policy: hit density where the cache holds enough requests to learn from, LRU where
+it does not.
+
+``HitDensity`` ranks by what it learned of the lives of the requests the cache holds. A cache
+that holds a few dozen requests learns from too few lives: on the shared Mooncake trace the
+learned ranking at 20-2,600 blocks averages about LRU's hit ratio, with a spread of about 15%
+either way from one size to the next, and ends below LRU at about one size in three there
+(``scripts/policy_grid.py``, docs/simulation.md). At such sizes LRU is also close to the best
+possible: within 3% of Belady's MIN at 32 blocks.
+
+So ``DensityOrLRU`` decides once, at the first eviction, when the cache has filled: if the
+requests that brought blocks in so far number fewer than ``min_requests``, it runs plain LRU from
+then on (the same ``LRU`` class, fed every use since the start, so its decisions are exactly
+LRU's); otherwise it is ``HitDensity``. Until then no block has left, so the two agree. A tier
+with density tiers below it (``extend``: any with room) always stays ``HitDensity``: they rank
+by its life table and the metas it passes down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, ClassVar
+
+from kvtier.policy.base import K
+from kvtier.policy.density import HitDensity
+from kvtier.policy.lru import LRU
+
+
+class DensityOrLRU(HitDensity[K]):
+    """``HitDensity``, or ``LRU`` in a cache that fills with fewer than ``min_requests``
+    requests (module docstring). ``ranking`` says which, once decided (``None`` before)."""
+
+    name = "density"
+    #: requests (inserts that brought new blocks) a cache must hold when it first fills for
+    #: the learned ranking to be used
+    min_requests: ClassVar[int] = 128
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        #: plain LRU, fed every use until the first eviction decides (then kept or dropped)
+        self._lru: LRU[K] | None = LRU(capacity)
+        self.ranking: str | None = None
+        self.requests = 0  # inserts that brought new blocks, until the decision
+
+    def insert(self, keys: Sequence[K], hint: Hashable | None = None) -> None:
+        lru = self._lru
+        if lru is None:
+            super().insert(keys, hint)
+            return
+        lru.insert(keys)
+        if self.ranking is None:
+            before = self.now
+            super().insert(keys, hint)
+            self.requests += self.now != before
+        else:  # LRU decides; the resident set the callers hold stays in step
+            self._runs.res.update(keys)
+
+    def access(self, keys: Sequence[K]) -> None:
+        lru = self._lru
+        if lru is not None:
+            lru.access(keys)
+            if self.ranking is not None:
+                return
+        super().access(keys)
+
+    def refresh(self, keys: Sequence[K]) -> None:
+        lru = self._lru
+        if lru is not None:
+            lru.refresh(keys)
+            if self.ranking is not None:
+                return
+        super().refresh(keys)
+
+    def remove(self, key: K) -> None:
+        lru = self._lru
+        if lru is not None:
+            lru.remove(key)
+            if self.ranking is not None:
+                self._runs.res.discard(key)
+                return
+        super().remove(key)
+
+    def evict(self, n: int, evictable: Callable[[K], bool]) -> list[K] | None:
+        if self.ranking is None and n > 0:
+            self._decide()
+        lru = self._lru
+        if lru is None:
+            return super().evict(n, evictable)
+        victims = lru.evict(n, evictable)
+        if victims:
+            self._runs.res.difference_update(victims)
+        return victims
+
+    def _decide(self) -> None:
+        """The cache is full: learn (drop the LRU) or run LRU from now on."""
+        if self.below or self.requests >= self.min_requests:
+            self.ranking = "density"
+            self._lru = None
+        else:
+            self.ranking = "lru"
+
+    def describe(self) -> dict[str, Any]:
+        """``HitDensity.describe`` while it ranks; under LRU the resident keys, and why."""
+        if self.ranking == "lru":
+            return {
+                "ranking": "lru",
+                "resident": len(self._runs.res),
+                "requests_at_fill": self.requests,
+                "min_requests": self.min_requests,
+            }
+        return {"ranking": self.ranking or "density", **super().describe()}
