@@ -1,10 +1,11 @@
 """Where a policy falls below LRU: the shared trace on a fine grid of cache sizes.
 
 Run: ``.venv/bin/python scripts/policy_grid.py [--points 48] [--lo 20] [--hi 60000]
-[--policies density,s3fifo] [--no-hints]`` (about 2 minutes with the compiled build). Prints, for
-every size of a log-spaced grid, each policy's token hit ratio and its ratio to LRU's, then the
-sizes where a policy is below LRU. docs/simulation.md quotes it: the sweep's ten sizes hide the
-small caches where a learned policy is noisy.
+[--policies density,density-always,s3fifo] [--no-hints]`` (under a minute with the compiled
+build). Prints, for every size of a log-spaced grid, each policy's token hit ratio and its ratio
+to LRU's, then the sizes where a policy is below LRU. docs/simulation.md quotes it: the sweep's
+ten sizes hide the small caches where a learned policy is noisy (``density-always``; the default
+``density`` is LRU in a tier that fills with fewer than 128 requests).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def main() -> None:
     ap.add_argument("--points", type=int, default=48)
     ap.add_argument("--lo", type=int, default=20)
     ap.add_argument("--hi", type=int, default=60_000)
-    ap.add_argument("--policies", default="density,s3fifo")
+    ap.add_argument("--policies", default="density,density-always,s3fifo")
     ap.add_argument("--no-hints", dest="hints", action="store_false")
     args = ap.parse_args()
     trace = read_trace(args.trace)
