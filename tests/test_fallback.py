@@ -16,10 +16,12 @@ from tests.helpers import SMALL, host_store, kv_for
 from tests.test_sim import MOONCAKE, tree_trace
 
 
-def fill(pol: DensityOrLRU[int] | LRU[int], requests: int, keys_each: int) -> None:
-    """``requests`` chains of ``keys_each`` new keys each."""
+def fill(
+    pol: DensityOrLRU[int] | LRU[int], requests: int, keys_each: int, hint: str | None = None
+) -> None:
+    """``requests`` chains of ``keys_each`` new keys each (each with ``hint``)."""
     for r in range(requests):
-        pol.insert([r * 1000 + i for i in range(keys_each)])
+        pol.insert([r * 1000 + i for i in range(keys_each)], hint)
 
 
 def test_the_default_is_this_policy() -> None:
@@ -61,6 +63,18 @@ def test_a_cache_that_fills_with_enough_requests_learns() -> None:
     assert pol.ranking == "density"
     desc = pol.describe()
     assert desc["ranking"] == "density" and desc["resident"] == 2 * n - 2 and desc["states"]
+
+
+@pytest.mark.parametrize("labelled", [True, False])
+def test_labelled_requests_need_less_history(labelled: bool) -> None:
+    """Most requests with a reuse class: ``min_requests_hinted`` is enough to learn."""
+    n = DensityOrLRU.min_requests_hinted
+    assert n < DensityOrLRU.min_requests
+    for requests, learns in ((n - 1, False), (n, labelled)):
+        pol: DensityOrLRU[int] = DensityOrLRU(2 * requests)
+        fill(pol, requests, 2, "chat" if labelled else None)
+        assert pol.evict(1, always) is not None
+        assert pol.ranking == ("density" if learns else "lru"), (requests, labelled)
 
 
 def test_a_tier_with_density_tiers_below_always_learns() -> None:

@@ -32,8 +32,10 @@ class DensityOrLRU(HitDensity[K]):
 
     name = "density"
     #: requests (inserts that brought new blocks) a cache must hold when it first fills for
-    #: the learned ranking to be used
+    #: the learned ranking to be used: unlabelled, and when most came with a ``hint`` (a reuse
+    #: class, the strongest signal the ranking learns from)
     min_requests: ClassVar[int] = 128
+    min_requests_hinted: ClassVar[int] = 48
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
@@ -41,6 +43,7 @@ class DensityOrLRU(HitDensity[K]):
         self._lru: LRU[K] | None = LRU(capacity)
         self.ranking: str | None = None
         self.requests = 0  # inserts that brought new blocks, until the decision
+        self.hinted = 0  # of them, those with a hint
 
     def insert(self, keys: Sequence[K], hint: Hashable | None = None) -> None:
         lru = self._lru
@@ -51,7 +54,9 @@ class DensityOrLRU(HitDensity[K]):
         if self.ranking is None:
             before = self.now
             super().insert(keys, hint)
-            self.requests += self.now != before
+            if self.now != before:
+                self.requests += 1
+                self.hinted += hint is not None
         else:  # LRU decides; the resident set the callers hold stays in step
             self._runs.res.update(keys)
 
@@ -93,11 +98,17 @@ class DensityOrLRU(HitDensity[K]):
 
     def _decide(self) -> None:
         """The cache is full: learn (drop the LRU) or run LRU from now on."""
-        if self.below or self.requests >= self.min_requests:
+        if self.below or self.requests >= self.needed():
             self.ranking = "density"
             self._lru = None
         else:
             self.ranking = "lru"
+
+    def needed(self) -> int:
+        """The requests the cache must fill with to learn: fewer when most were labelled."""
+        if 2 * self.hinted >= self.requests > 0:
+            return self.min_requests_hinted
+        return self.min_requests
 
     def describe(self) -> dict[str, Any]:
         """``HitDensity.describe`` while it ranks; under LRU the resident keys, and why."""
@@ -106,6 +117,6 @@ class DensityOrLRU(HitDensity[K]):
                 "ranking": "lru",
                 "resident": len(self._runs.res),
                 "requests_at_fill": self.requests,
-                "min_requests": self.min_requests,
+                "min_requests": self.needed(),
             }
         return {"ranking": self.ranking or "density", **super().describe()}
