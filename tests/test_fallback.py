@@ -80,7 +80,7 @@ def test_labelled_requests_need_less_history(labelled: bool) -> None:
 def test_a_tier_with_density_tiers_below_always_learns() -> None:
     """The tiers below rank by the top tier's table and the metas it passes down."""
     top: DensityOrLRU[int] = DensityOrLRU(8)
-    below = make_policy("density", 32).feed_by_demotion(top)
+    below = DensityOrLRU[int](32).feed_by_demotion(top)
     fill(top, 4, 2)
     victims = top.evict(2, always)
     assert victims is not None and top.ranking == "density"
