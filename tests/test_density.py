@@ -52,6 +52,23 @@ def test_life_table_recovers_a_constant_hazard() -> None:
     assert np.allclose(table.hazard[0, :6], 0.2, atol=0.03), table.hazard[0, :8]
 
 
+def test_hazards_at_ages_older_than_the_clock_decay() -> None:
+    """No life can be older than the clock: past it the hazard falls by ``unseen_decay`` a
+    bucket (1 carries the last one seen on), so old blocks are not kept on a guess."""
+    hazards = []
+    for decay in (1.0, 0.5):
+        table = LifeTable(width=10, buckets=64, tau=1e9, horizon=200, prior=1.0, unseen_decay=decay)
+        table.grow(1)
+        now = _simulate_lives(table, 0.2, 200, seed=4)  # ages up to ~ 200 + 50 buckets' worth
+        table.refit(now)
+        hazards.append(table.hazard[0])
+        seen = now // 10 + 1
+        assert seen < 64
+        h = table.hazard[0]
+        assert np.allclose(h[seen:], h[seen - 1] * decay ** np.arange(1, 64 - seen + 1))
+    assert np.array_equal(hazards[0][:seen], hazards[1][:seen])  # what was seen is unchanged
+
+
 def test_life_table_follows_the_recent_regime() -> None:
     """Weighting by recency: after a change of hazard, the table reads the new one."""
     table = LifeTable(width=10, buckets=16, tau=2000, horizon=40, prior=1.0)

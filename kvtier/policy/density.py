@@ -80,6 +80,10 @@ class HitDensity(EvictionPolicy[K]):
     max_states: ClassVar[int] = 512
     #: evicted keys remembered (state, last use) as a multiple of the capacity
     ghost_factor: ClassVar[float] = 3.0
+    #: hazards at ages older than the clock (no data can exist) fall by this factor a bucket
+    #: instead of staying at the last one seen (``LifeTable``): a cache near the size of all
+    #: that is ever reused otherwise keeps blocks older than anything observed, extrapolated
+    unseen_decay: ClassVar[float] = 0.9
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
@@ -120,6 +124,7 @@ class HitDensity(EvictionPolicy[K]):
             prior_fraction=cls.prior_fraction,
             refit_buckets=cls.refit_buckets,
             min_refit=cls.min_refit_blocks,
+            unseen_decay=cls.unseen_decay,
         )
 
     def extend(self, capacity: int) -> DensityTable:

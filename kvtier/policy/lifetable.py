@@ -49,16 +49,26 @@ class LifeTable:
     REBASE = 30.0
 
     def __init__(
-        self, width: int, buckets: int, tau: float, horizon: int, prior: float = 100.0
+        self,
+        width: int,
+        buckets: int,
+        tau: float,
+        horizon: int,
+        prior: float = 100.0,
+        unseen_decay: float = 1.0,
     ) -> None:
         """``width``: age bucket width (clock units, >= 1); ``buckets``: buckets kept (the last
         takes every older age); ``tau``: recency weighting (clock units); ``horizon``: how far
-        ahead density looks (clock units); ``prior``: smoothing strength (pseudo-observations)."""
+        ahead density looks (clock units); ``prior``: smoothing strength (pseudo-observations);
+        ``unseen_decay``: the factor a bucket's hazard is below the one before it, in buckets of
+        ages older than the clock (no life can have reached them yet: 1 carries the last hazard
+        seen on unchanged)."""
         self.width = max(1, int(width))
         self.buckets = max(2, int(buckets))
         self.tau = max(1e-9, float(tau))
         self.horizon = max(1, int(horizon))
         self.prior = max(1e-6, float(prior))
+        self.unseen_decay = min(1.0, max(0.0, float(unseen_decay)))
         self._base = 0  # weights are exp((t - base) / tau)
         k = self.buckets
         self._ring = k + 1
@@ -230,6 +240,9 @@ class LifeTable:
         tot_x = expo[0].sum()
         pooled = events[0].sum() / tot_x if tot_x > 0 else 0.0
         h = _smoothed_bm(events, expo, self.prior, pooled)
+        seen = now // w + 1  # buckets of ages a life can have reached by now
+        if seen < k and self.unseen_decay < 1.0:
+            h[seen:] = h[seen - 1] * (self.unseen_decay ** np.arange(1, k - seen + 1))[:, None]
         # density over the horizon: P(used within it) / E[time held until used or horizon]
         steps = 1 << max(0, round(math.log2(max(1, self.horizon // w))))
         surv, held = _windows_bm(h, steps)
@@ -352,6 +365,7 @@ class DensityTable:
         prior_fraction: float,
         refit_buckets: int,
         min_refit: int,
+        unseen_decay: float = 1.0,
     ) -> None:
         blocks = max(1, blocks)
         self.table = LifeTable(
@@ -360,6 +374,7 @@ class DensityTable:
             tau=max(1.0, blocks * tau_fraction),
             horizon=max(1, int(blocks * horizon_fraction)),
             prior=max(1.0, blocks * prior_fraction),
+            unseen_decay=unseen_decay,
         )
         self.width = self.table.width
         self.buckets = self.table.buckets
