@@ -37,3 +37,16 @@ def host_store(
         t2.name = "host2"
         tiers.append(t2)
     return TieredStore(layout, tiers, **kw)
+
+
+def store_documents_then_load_the_last(st: TieredStore, docs: int = 6, blocks: int = 3) -> None:
+    """Store ``docs`` documents of ``blocks`` blocks each (SMALL layout), the first token of
+    document ``d`` being ``d * 1000``, then load the last one back and check it is all there
+    and exact (a policy that keeps the newest document)."""
+    n = blocks * SMALL.block_tokens
+    for doc in range(docs):
+        tokens = [doc * 1000 + i for i in range(n)]
+        st.store(tokens, kv_for(tokens))
+    out = np.zeros(SMALL.kv_shape(n), SMALL.storage_dtype)
+    assert st.load(tokens, out) == n  # the newest document is still there
+    assert np.array_equal(out, kv_for(tokens))

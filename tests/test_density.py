@@ -15,7 +15,7 @@ from kvtier.policy.density import HitDensity
 from kvtier.policy.densitybelow import DensityBelow
 from kvtier.policy.lifetable import LifeTable, _smoothed, _subtract_at, _windows
 from kvtier.sim.replay import TierSpec, replay
-from tests.helpers import SMALL, host_store, kv_for
+from tests.helpers import host_store, store_documents_then_load_the_last
 from tests.test_policies import check_set_model, ops
 from tests.test_sim import tree_trace
 
@@ -238,15 +238,8 @@ def test_density_in_a_hierarchy(seed: int) -> None:
 
 
 def test_store_runs_on_the_density_policy() -> None:
-    bt = SMALL.block_tokens
     with host_store(blocks=8, policy="density-always") as st:
-        for doc in range(6):
-            tokens = [doc * 1000 + i for i in range(3 * bt)]
-            st.store(tokens, kv_for(tokens))
-        tokens = [5000 + i for i in range(3 * bt)]
-        out = np.zeros(SMALL.kv_shape(3 * bt), SMALL.storage_dtype)
-        assert st.load(tokens, out) == 3 * bt  # the newest document is still there
-        assert np.array_equal(out, kv_for(tokens))
+        store_documents_then_load_the_last(st)
         stats = st.stats()
         assert stats["store"]["evictions"] >= 10
         assert stats["policies"]["host"]["resident"] <= 8

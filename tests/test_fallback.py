@@ -3,7 +3,6 @@ requests to learn from, exactly LRU where it does not."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from kvtier.policy import DEFAULT_POLICY, make_policy
@@ -12,7 +11,7 @@ from kvtier.policy.fallback import DensityOrLRU
 from kvtier.policy.lru import LRU
 from kvtier.sim.replay import TierSpec, replay
 from kvtier.sim.trace import read_trace
-from tests.helpers import SMALL, host_store, kv_for
+from tests.helpers import host_store, store_documents_then_load_the_last
 from tests.test_sim import MOONCAKE, tree_trace
 
 
@@ -89,14 +88,8 @@ def test_a_tier_with_density_tiers_below_always_learns() -> None:
 
 
 def test_a_store_too_small_to_learn_says_so_in_its_stats() -> None:
-    bt = SMALL.block_tokens
     with host_store(blocks=8) as st:
-        for doc in range(6):
-            tokens = [doc * 1000 + i for i in range(3 * bt)]
-            st.store(tokens, kv_for(tokens))
-        tokens = [5000 + i for i in range(3 * bt)]
-        out = np.zeros(SMALL.kv_shape(3 * bt), SMALL.storage_dtype)
-        assert st.load(tokens, out) == 3 * bt  # the newest document is still there
+        store_documents_then_load_the_last(st)
         stats = st.stats()["policies"]["host"]
         assert stats["ranking"] == "lru" and stats["resident"] <= 8
 
