@@ -38,6 +38,7 @@ def test_a_cache_that_fills_with_few_requests_runs_lru_and_evicts_as_lru_does() 
     for want in (3, 5, 12):
         assert pol.evict(want, always) == ref.evict(want, always)
     assert pol.ranking == "lru"
+    assert len(pol._runs) == 0  # the runs are released; the resident set stays
     assert pol.describe() == {
         "ranking": "lru",
         "resident": 20,

@@ -466,6 +466,15 @@ class HitDensity(EvictionPolicy[K]):
             m = self._runs.detach(key)
             self.table.censor(m & STATE_MASK, m >> START_SHIFT, self.now)
 
+    def release(self) -> None:
+        """Another ranking takes over the resident keys (``kvtier.policy.fallback``): drop the
+        runs and queues, keep the resident set (callers hold it) and what was learned."""
+        self._runs.first.clear()
+        self._runs.last.clear()
+        self._queues = [deque() for _ in self._queues]
+        self._heap = []
+        self._top = [-1] * len(self._top)
+
     # -- hierarchy -----------------------------------------------------------------------------
     def feed_by_demotion(self, upper: EvictionPolicy[K] | None = None) -> EvictionPolicy[K]:
         """A tier below: ``DensityBelow``, ranking what the tier above demotes by the state and

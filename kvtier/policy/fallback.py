@@ -106,6 +106,7 @@ class DensityOrLRU(HitDensity[K]):
             self._lru = None
         else:
             self.ranking = "lru"
+            self.release()
 
     def needed(self) -> int:
         """The requests the cache must fill with to learn: fewer when most were labelled."""
