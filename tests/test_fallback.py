@@ -3,12 +3,16 @@ requests to learn from, exactly LRU where it does not."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from kvtier.cli.main import main
 from kvtier.policy import DEFAULT_POLICY, make_policy
 from kvtier.policy.base import always
 from kvtier.policy.fallback import DensityOrLRU
 from kvtier.policy.lru import LRU
+from kvtier.sim.cluster import replay_cluster
 from kvtier.sim.replay import TierSpec, replay
 from kvtier.sim.trace import read_trace
 from tests.helpers import host_store, store_documents_then_load_the_last
@@ -116,3 +120,24 @@ def test_on_mooncake_the_default_is_lru_where_learning_falls_below_it() -> None:
         learned = replay(trace, [TierSpec("x", cap, "density-always")])
         assert (dflt.hit_tokens == lru.hit_tokens).all()
         assert learned.token_hit_ratio < lru.token_hit_ratio, cap  # why it falls back
+
+
+def test_replays_report_what_the_default_ranked_by() -> None:
+    """``ReplayResult.rankings``: the CLI prints it (``density (lru)``) and puts it in the JSON."""
+    trace = tree_trace(1, n_req=400, nodes=150)
+    assert replay(trace, [TierSpec("x", 8, "density")]).rankings == ("lru",)
+    assert replay(trace, [TierSpec("x", 8, "lru")]).rankings == (None,)
+    two = replay(trace, [TierSpec("x", 8, "density"), TierSpec("y", 16, "density")])
+    assert two.rankings == ("density", None)  # a tier with tiers below learns; below: per key
+    mooncake = read_trace(MOONCAKE)
+    cluster = replay_cluster(mooncake, [TierSpec("hbm", 300, "density")], 2, 1)
+    assert cluster.rankings == ("lru",)  # each node's tier fills with few requests
+
+
+def test_the_cli_says_when_the_default_ran_lru(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["simulate", "--trace", str(MOONCAKE), "--capacity-blocks"]
+    for blocks, ranking in (("300", "lru"), ("10000", "density")):
+        assert main([*args, blocks, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["tiers"][0]["ranking"] == ranking
+    assert main([*args, "300"]) == 0
+    assert "density (lru)" in capsys.readouterr().out

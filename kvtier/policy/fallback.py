@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, ClassVar
 
-from kvtier.policy.base import K
+from kvtier.policy.base import EvictionPolicy, K
 from kvtier.policy.density import HitDensity
 from kvtier.policy.lru import LRU
 
@@ -124,3 +124,15 @@ class DensityOrLRU(HitDensity[K]):
                 "min_requests": self.needed(),
             }
         return {"ranking": self.ranking or "density", **super().describe()}
+
+
+def tier_ranking(policies: Sequence[EvictionPolicy[Any]]) -> str | None:
+    """What one tier's policies (one per node; one on a single node) ranked by at the end:
+    ``"lru"`` or ``"density"`` for the default, ``"lru on k of n nodes"`` when its nodes
+    differ, None for another policy or a tier that never filled (for reports)."""
+    got = [p.ranking for p in policies if isinstance(p, DensityOrLRU) and p.ranking is not None]
+    if not got:
+        return None
+    if len(set(got)) == 1:
+        return got[0]
+    return f"lru on {got.count('lru')} of {len(got)} nodes"

@@ -35,6 +35,7 @@ import numpy.typing as npt
 
 from kvtier.errors import ConfigError
 from kvtier.policy.admission import output_class
+from kvtier.policy.fallback import tier_ranking
 from kvtier.sim.hierarchy import ROUTES
 from kvtier.sim.replay import ReplayResult, TierSpec, build_policy, credit
 from kvtier.sim.tierchain import TierChain
@@ -150,6 +151,13 @@ def replay_cluster(
                 out[j] = c
         return out
 
+    rankings: list[str | None] = [
+        tier_ranking([x.pols[t] for x in node_tiers]) for t in range(shared_from)
+    ]
+    rankings += [None] * (len(specs) - shared_from)
+    if shared is not None:
+        for j, pol in zip(shared_at, shared.pols, strict=True):
+            rankings[j] = tier_ranking([pol])
     return ReplayResult(
         tiers=specs,
         hit_tokens=np.array(hits, dtype=np.int64).reshape(len(specs), n_req),
@@ -164,6 +172,7 @@ def replay_cluster(
         node_of=node_of,
         shared_from=shared_from,
         route=route,
+        rankings=tuple(rankings),
     )
 
 

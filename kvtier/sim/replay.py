@@ -39,6 +39,7 @@ from kvtier.errors import ConfigError
 from kvtier.policy import POLICIES, EvictionPolicy, make_policy
 from kvtier.policy.admission import output_class
 from kvtier.policy.base import always
+from kvtier.policy.fallback import tier_ranking
 from kvtier.policy.s3fifo import BlockS3FIFO
 from kvtier.sim.belady import Belady, FutureOracle
 from kvtier.sim.tierchain import TierChain, not_in
@@ -85,6 +86,9 @@ class ReplayResult:
     node_of: npt.NDArray[np.int64] | None = None
     shared_from: int | None = None
     route: str = ""
+    #: what each tier's policy ranked by at the end (``kvtier.policy.fallback.tier_ranking``:
+    #: the default is LRU in a tier that filled with too few requests to learn from)
+    rankings: tuple[str | None, ...] = ()
 
     @property
     def token_hit_ratio(self) -> float:
@@ -156,6 +160,7 @@ def replay(
         block_hits=block_hits,
         block_refs=trace.block_events,
         hints=hints,
+        rankings=tuple(tier_ranking([p]) for p in held.pols),
     )
 
 
