@@ -30,8 +30,9 @@ from kvtier.policy.lru import LRU
 
 
 class DensityOrLRU(HitDensity[K]):
-    """``HitDensity``, or ``LRU`` in a cache that fills with fewer than ``min_requests``
-    requests (module docstring). ``ranking`` says which, once decided (``None`` before)."""
+    """``HitDensity``, or ``LRU`` in a cache that fills with fewer requests than it
+    ``needed()`` to learn (module docstring). ``ranking`` says which, once decided (``None``
+    before). Not thread-safe (one tier, under the decider's lock), as every policy."""
 
     name = "density"
     #: requests (inserts that brought new blocks) a cache must hold when it first fills for
