@@ -15,9 +15,10 @@ from kvtier.policy.density import HitDensity
 from kvtier.policy.densitybelow import DensityBelow
 from kvtier.policy.lifetable import LifeTable, _smoothed, _subtract_at, _windows
 from kvtier.sim.replay import TierSpec, replay
+from kvtier.sim.trace import read_trace
 from tests.helpers import host_store, store_documents_then_load_the_last
 from tests.test_policies import check_set_model, ops
-from tests.test_sim import tree_trace
+from tests.test_sim import MOONCAKE, tree_trace
 
 
 def _simulate_lives(table: LifeTable, hazard: float, lives: int, seed: int, t0: int = 0) -> int:
@@ -470,3 +471,28 @@ def test_density_matches_a_set_model_in_many_orders(
     """The set-model check of every policy, with more examples: density's runs split, merge and
     get cut in many ways (small keys repeat in new orders, which breaks prefix order)."""
     check_set_model("density-always", ops)
+
+
+def test_the_ghost_covers_the_whole_hierarchy() -> None:
+    """A return after a block left the last tier is learned at its true age: the ghost holds
+    ``ghost_factor`` times every tier's blocks (it holds the keys resident below as well)."""
+    top: HitDensity[int] = HitDensity(100)
+    assert top.ghost.cap == int(HitDensity.ghost_factor * 100)
+    DensityBelow(1_000, top)
+    DensityBelow(10_000, top)
+    assert top.ghost.cap == int(HitDensity.ghost_factor * 11_100)
+
+
+@pytest.mark.parametrize("tiers", [(300, 3_000, 20_000), (1_000, 20_000)])
+def test_density_hierarchies_beat_lru_on_mooncake(tiers: tuple[int, ...]) -> None:
+    """With a ghost of the tier's own factor plus the blocks below, a block was forgotten soon
+    after it left the last tier; these two were below LRU without hints (docs/simulation.md)."""
+    trace = read_trace(MOONCAKE)
+
+    def ratio(policy: str, hints: bool) -> float:
+        specs = [TierSpec(f"t{i}", c, policy) for i, c in enumerate(tiers)]
+        return replay(trace, specs, hints=hints).token_hit_ratio
+
+    lru = ratio("lru", False)
+    for hints in (True, False):
+        assert ratio("density", hints) > lru, hints

@@ -129,12 +129,12 @@ class HitDensity(EvictionPolicy[K]):
 
     def extend(self, capacity: int) -> DensityTable:
         """A tier of ``capacity`` blocks joins below (before any use). The ghost grows to
-        remember as many keys as the whole hierarchy holds, so a return from any tier is learned
-        at its true age; and the same lives feed a table at the scale of the hierarchy down to
-        that tier, which it ranks by (this tier's table sees ages up to twice its own capacity
-        only; a tier below holds blocks far older)."""
+        ``ghost_factor`` times the whole hierarchy (it holds the keys below too), so a return
+        from any tier, or after the last, is learned at its true age; the same lives feed a
+        table at the scale of the hierarchy down to that tier, which it ranks by (this tier's
+        table sees ages up to twice its own capacity only; a tier below holds older blocks)."""
         self.below += capacity
-        self.ghost.cap = max(self.ghost.cap, int(self.ghost_factor * self.capacity) + self.below)
+        self.ghost.cap = max(self.ghost.cap, int(self.ghost_factor * (self.capacity + self.below)))
         scale = self._scale(max(1, self.capacity) + self.below)
         scale.grow(len(self._queues))
         (self._scales[-1] if self._scales else self.ranked).table.also = scale.table
