@@ -64,21 +64,22 @@ class DensityOrLRU(HitDensity[K]):
         else:  # LRU decides; the resident set the callers hold stays in step
             self._runs.res.update(keys)
 
-    def access(self, keys: Sequence[K]) -> None:
+    def _recency(self, keys: Sequence[K]) -> bool:
+        """Mirror a use of resident ``keys`` into the LRU (for it, a refresh is an access);
+        True when the LRU decides, so ``HitDensity`` need not see it."""
         lru = self._lru
-        if lru is not None:
-            lru.access(keys)
-            if self.ranking is not None:
-                return
-        super().access(keys)
+        if lru is None:
+            return False
+        lru.access(keys)
+        return self.ranking is not None
+
+    def access(self, keys: Sequence[K]) -> None:
+        if not self._recency(keys):
+            super().access(keys)
 
     def refresh(self, keys: Sequence[K]) -> None:
-        lru = self._lru
-        if lru is not None:
-            lru.refresh(keys)
-            if self.ranking is not None:
-                return
-        super().refresh(keys)
+        if not self._recency(keys):
+            super().refresh(keys)
 
     def remove(self, key: K) -> None:
         lru = self._lru
