@@ -37,6 +37,8 @@ NEIGHBOURS = [
     ("horizon_fraction", 1.0),
     ("horizon_fraction", 4.0),
     ("ghost_factor", 2.0),
+    ("mean_pull", 0.5),
+    ("mean_pull", 0.9),
     ("refit_buckets", 4),
     ("refit_buckets", 16),
 ]

@@ -94,15 +94,17 @@ def test_closed_and_censored_lives_leave_no_open_weight() -> None:
     assert np.abs(table._old[:2]).max() * scale < 1e-9
 
 
-def test_smoothing_and_windows_match_their_loops() -> None:
+@pytest.mark.parametrize("pull", [0.0, 0.7])
+def test_smoothing_and_windows_match_their_loops(pull: float) -> None:
     rng = np.random.default_rng(0)
     events = rng.random((5, 12)) * 3
     expo = events + rng.random((5, 12)) * 10
     m = 4.0
-    h = _smoothed(events.copy(), expo.copy(), m)
+    h = _smoothed(events.copy(), expo.copy(), m, pull)
     prev = np.full(5, events[:, 0].sum() / expo[:, 0].sum())
+    mean = events.sum(axis=1) / expo.sum(axis=1)
     for b in range(12):
-        prev = (events[:, b] + m * prev) / (expo[:, b] + m)
+        prev = (events[:, b] + m * ((1 - pull) * prev + pull * mean)) / (expo[:, b] + m)
         assert np.allclose(h[:, b], prev)
     steps = 8
     surv, held = _windows(h, steps)
@@ -114,6 +116,25 @@ def test_smoothing_and_windows_match_their_loops() -> None:
                 time += alive * (1 - 0.5 * hz)  # trapezoid over the bucket
                 alive *= 1 - hz
             assert np.isclose(surv[s, a], alive) and np.isclose(held[s, a], time)
+
+
+def test_mean_pull_keeps_thin_ages_at_the_states_rate() -> None:
+    """A state whose uses come early and late, with a long quiet stretch between: pulled only
+    towards the bucket before, its hazard collapses through the quiet buckets and stays near zero
+    where the late data is thin; pulled partly towards its mean, it comes back to the order of its
+    mean there (and the well-observed quiet buckets stay low either way)."""
+    k = 40
+    events = np.zeros((1, k))
+    expo = np.full((1, k), 1000.0)
+    events[0, :4] = 100.0  # early uses, well observed
+    expo[0, 30:] = 5.0  # thin: few lives reach these ages
+    events[0, 30:] = 0.05  # a use now and then
+    mean = events.sum() / expo.sum()
+    chain = _smoothed(events.copy(), expo.copy(), 50.0, 0.0)[0]
+    pulled = _smoothed(events.copy(), expo.copy(), 50.0, 0.7)[0]
+    assert chain[29] < 1e-30 and chain[30] < 0.1 * mean
+    assert 0.3 * mean < pulled[30] < 3 * mean
+    assert pulled[20] < 0.1 * mean  # 1000 blocks' worth of exposure without a use: low anyway
 
 
 @pytest.mark.parametrize("seed", range(4))

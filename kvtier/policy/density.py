@@ -80,10 +80,10 @@ class HitDensity(EvictionPolicy[K]):
     max_states: ClassVar[int] = 512
     #: evicted keys remembered (state, last use) as a multiple of the capacity
     ghost_factor: ClassVar[float] = 3.0
-    #: hazards at ages older than the clock (no data can exist) fall by this factor a bucket
-    #: instead of staying at the last one seen (``LifeTable``): a cache near the size of all
-    #: that is ever reused otherwise keeps blocks older than anything observed, extrapolated
+    #: hazards at ages older than the clock (no data can exist) fall by this factor a bucket,
+    #: and the hazards' smoothing pulls this share towards the state's mean (``LifeTable``)
     unseen_decay: ClassVar[float] = 0.9
+    mean_pull: ClassVar[float] = 0.7
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
@@ -125,6 +125,7 @@ class HitDensity(EvictionPolicy[K]):
             refit_buckets=cls.refit_buckets,
             min_refit=cls.min_refit_blocks,
             unseen_decay=cls.unseen_decay,
+            mean_pull=cls.mean_pull,
         )
 
     def extend(self, capacity: int) -> DensityTable:
@@ -284,8 +285,7 @@ class HitDensity(EvictionPolicy[K]):
         self._heap = heap
 
     def _rebuild(self) -> None:
-        """Every state's heap entry from its queue's oldest live entry (after queues changed
-        other than at their ends)."""
+        """Every state's heap entry from its queue's oldest live entry (queues changed mid-way)."""
         stale = 0
         for q in self._queues:
             while q:

@@ -14,8 +14,9 @@ it), lives still open (exposure in their completed buckets), and lives the polic
 weighted by ``exp(-(now - when it happened) / tau)``, so the table follows a workload whose reuse
 changes over time (on the Mooncake trace the chance that a reused document is used again within
 200 requests goes from 3% in the first thousand requests to 60% in the last) instead of averaging
-over cohorts that no longer behave alike. Hazards are smoothed towards the previous bucket's (and
-bucket 0 towards the pooled hazard of every state) with ``prior`` pseudo-observations.
+over cohorts that no longer behave alike. Hazards are smoothed with ``prior`` pseudo-observations
+towards a mix of the previous bucket's and the state's mean hazard over all ages (bucket 0:
+towards the pooled hazard of every state's bucket 0, and the mean).
 
 From the hazards it computes the *hit density* of a block in state ``s`` at age ``a`` (LHD,
 Beckmann et al., NSDI'18): the chance it is used within ``horizon`` divided by the time it is
@@ -56,19 +57,23 @@ class LifeTable:
         horizon: int,
         prior: float = 100.0,
         unseen_decay: float = 1.0,
+        mean_pull: float = 0.0,
     ) -> None:
         """``width``: age bucket width (clock units, >= 1); ``buckets``: buckets kept (the last
         takes every older age); ``tau``: recency weighting (clock units); ``horizon``: how far
         ahead density looks (clock units); ``prior``: smoothing strength (pseudo-observations);
         ``unseen_decay``: the factor a bucket's hazard is below the one before it, in buckets of
         ages older than the clock (no life can have reached them yet: 1 carries the last hazard
-        seen on unchanged)."""
+        seen on unchanged); ``mean_pull``: the share of the smoothing that pulls a bucket's
+        hazard towards the state's mean hazard over all ages (the rest pulls towards the bucket
+        before it)."""
         self.width = max(1, int(width))
         self.buckets = max(2, int(buckets))
         self.tau = max(1e-9, float(tau))
         self.horizon = max(1, int(horizon))
         self.prior = max(1e-6, float(prior))
         self.unseen_decay = min(1.0, max(0.0, float(unseen_decay)))
+        self.mean_pull = min(1.0, max(0.0, float(mean_pull)))
         self._base = 0  # weights are exp((t - base) / tau)
         k = self.buckets
         self._ring = k + 1
@@ -239,7 +244,7 @@ class LifeTable:
         np.multiply(self._ev[:n].T, fc, out=events)
         tot_x = expo[0].sum()
         pooled = events[0].sum() / tot_x if tot_x > 0 else 0.0
-        h = _smoothed_bm(events, expo, self.prior, pooled)
+        h = _smoothed_bm(events, expo, self.prior, pooled, self.mean_pull)
         seen = now // w + 1  # buckets of ages a life can have reached by now
         if seen < k and self.unseen_decay < 1.0:
             h[seen:] = h[seen - 1] * (self.unseen_decay ** np.arange(1, k - seen + 1))[:, None]
@@ -274,12 +279,15 @@ def _subtract_at(
 
 
 def _smoothed(
-    events: npt.NDArray[np.float64], expo: npt.NDArray[np.float64], prior: float
+    events: npt.NDArray[np.float64],
+    expo: npt.NDArray[np.float64],
+    prior: float,
+    mean_pull: float = 0.0,
 ) -> npt.NDArray[np.float64]:
     """``_smoothed_bm`` for state-major arrays (``[state, bucket]``); the inputs are kept."""
     tot_x = expo[:, 0].sum()
     pooled = events[:, 0].sum() / tot_x if tot_x > 0 else 0.0
-    h = _smoothed_bm(events.T.copy(), expo.T.copy(), prior, pooled)
+    h = _smoothed_bm(events.T.copy(), expo.T.copy(), prior, pooled, mean_pull)
     return h.T
 
 
@@ -292,16 +300,31 @@ def _windows(
 
 
 def _smoothed_bm(
-    events: npt.NDArray[np.float64], expo: npt.NDArray[np.float64], prior: float, pooled: float
+    events: npt.NDArray[np.float64],
+    expo: npt.NDArray[np.float64],
+    prior: float,
+    pooled: float,
+    mean_pull: float = 0.0,
 ) -> npt.NDArray[np.float64]:
-    """Hazards ``h[b, s] = (events + prior * h[b - 1, s]) / (exposure + prior)`` (bucket-major
-    arrays), bucket 0 smoothed towards the pooled hazard of bucket 0. The recurrence is affine in
-    ``h[b - 1]``, so it is a prefix composition of affine maps, computed in log2(buckets) numpy
-    steps (``pooled``: the pooled hazard of bucket 0). Overwrites ``events`` and ``expo``."""
+    """Hazards ``h[b, s] = (events + prior * ((1 - p) * h[b - 1, s] + p * m[s])) / (exposure +
+    prior)`` (bucket-major arrays; ``p``: ``mean_pull``; ``m[s]``: the state's mean hazard, its
+    events over its exposure at all ages), bucket 0's ``h[b - 1]`` being the pooled hazard of
+    bucket 0 (``pooled``). The recurrence is affine in ``h[b - 1]``, so it is a prefix
+    composition of affine maps, computed in log2(buckets) numpy steps. Overwrites ``events``
+    and ``expo``.
+
+    Pulled only towards the bucket before, a state's hazard falls geometrically through a run of
+    buckets without events and stays near zero wherever data is thin after it: old blocks of a
+    state whose reuse comes late looked worthless (densities of 1e-13 on the shared trace). The
+    mean holds such ages near the state's own rate until the data there says otherwise."""
     k = events.shape[0]
+    if mean_pull > 0.0:
+        tot = expo.sum(axis=0)
+        mean = np.divide(events.sum(axis=0), tot, out=np.zeros_like(tot), where=tot > 0)
+        events += (prior * mean_pull) * mean
     expo += prior
     c = np.divide(events, expo, out=events)  # h[b] = a[b] * h[b - 1] + c[b]
-    a = np.divide(prior, expo, out=expo)
+    a = np.divide(prior * (1.0 - mean_pull), expo, out=expo)
     na = np.empty_like(a)  # the next a (written beside a: no copy of it)
     d = 1
     while d < k:  # (a, c)[b] := (a, c)[b] after (a, c)[b - d]: maps over 2d buckets
@@ -366,6 +389,7 @@ class DensityTable:
         refit_buckets: int,
         min_refit: int,
         unseen_decay: float = 1.0,
+        mean_pull: float = 0.0,
     ) -> None:
         blocks = max(1, blocks)
         self.table = LifeTable(
@@ -375,6 +399,7 @@ class DensityTable:
             horizon=max(1, int(blocks * horizon_fraction)),
             prior=max(1.0, blocks * prior_fraction),
             unseen_decay=unseen_decay,
+            mean_pull=mean_pull,
         )
         self.width = self.table.width
         self.buckets = self.table.buckets
