@@ -440,17 +440,21 @@ def test_store_style_refresh_hangs_new_blocks_below_a_key_inside_a_run() -> None
     assert order.index(5) < order.index(4) < order.index(3)
 
 
-def test_removing_a_key_in_a_run_orphans_the_keys_below_and_learns_nothing_wrong() -> None:
-    """``remove`` of a key in the middle of a run: it is gone, the keys below it stay (an orphan
-    run, evictable) and its life is censored, not counted as a use."""
+@pytest.mark.parametrize("gone", [1, 3, 5])
+def test_removing_a_key_of_a_run_orphans_the_keys_below_and_learns_nothing_wrong(gone: int) -> None:
+    """``remove`` of a key at the start, in the middle or at the end of a run (the ends are
+    found without a scan): it is gone, the keys below it stay (an orphan run, evictable) and
+    its life is censored, not counted as a use."""
     pol: HitDensity[int] = HitDensity(64)
     pol.insert([1, 2, 3, 4, 5], "doc")
     events = pol.table._ev.sum()
-    pol.remove(3)
-    assert 3 not in pol and all(k in pol for k in (1, 2, 4, 5))
+    pol.remove(gone)
+    rest = {1, 2, 3, 4, 5} - {gone}
+    assert gone not in pol and all(k in pol for k in rest)
     assert pol.table._ev.sum() == events
     victims = pol.evict(4, always)
-    assert victims is not None and set(victims) == {1, 2, 4, 5}
+    assert victims is not None and set(victims) == rest
+    assert len(pol) == 0 and not pol.describe()["runs"]
 
 
 def test_each_tier_below_ranks_by_a_table_at_its_own_scale() -> None:

@@ -460,8 +460,8 @@ class HitDensity(EvictionPolicy[K]):
         self._rebuild()
 
     def remove(self, key: K) -> None:
-        """Forget ``key`` (O(resident keys): its run is found by a scan; the store removes a
-        resident key only when it is deleted or found corrupt)."""
+        """Forget ``key`` (O(1) at a run's ends, else its run is found by a scan: the store
+        removes a resident key only when it is deleted or found corrupt)."""
         if key in self._runs.res:
             m = self._runs.detach(key)
             self.table.censor(m & STATE_MASK, m >> START_SHIFT, self.now)

@@ -168,8 +168,14 @@ class RunIndex:
                     self._on_free(p)
 
     def find(self, key: Hashable) -> Run:
-        """The run holding resident ``key``: a scan of the runs (O(resident keys)); only the
-        rare paths use it (``remove``, a parent in the middle of a run)."""
+        """The run holding resident ``key``: O(1) when it ends or starts its run, else a scan of
+        the runs (O(resident keys)); only the rare paths use it (``remove``, a parent in the
+        middle of a run)."""
+        r = self.last.get(key)
+        if r is None:
+            r = self.first.get(key)
+        if r is not None:
+            return r
         for r in self.first.values():
             if key in r.keys:
                 return r
