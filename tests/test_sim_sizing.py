@@ -256,3 +256,45 @@ def test_replays_in_workers_give_the_same_answer(trace: Trace) -> None:
             one.best_p90_s,
             one.replays,
         )
+
+
+def test_after_an_answer_cheaper_sizes_are_tried_most_promising_first(
+    trace: Trace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once an answer stands, the walk replays only cheaper sizes, lowest LRU estimate first
+    (the screen's margin only widens once none is left, admitting higher estimates): the replay
+    budget goes first to the sizes likeliest to meet the SLO, not to the smallest."""
+    hier, max_blocks = space(trace, "s3fifo")
+    best, worst = p90_range(trace, hier, max_blocks)
+    slo = best + (worst - best) / 4
+    tried: list[tuple[int, ...]] = []
+    real_sized = sizing.sized
+
+    def sized(h: Hierarchy, caps_bytes: tuple[int, ...]) -> Hierarchy:
+        tried.append(caps_bytes)
+        return real_sized(h, caps_bytes)
+
+    monkeypatch.setattr(sizing, "sized", sized)
+    found = sizing.search(trace, hier, max_blocks, slo, points=4, margin=sizing.DEFAULT_MARGIN)
+    monkeypatch.undo()
+    assert found.caps_bytes is not None
+    bb = hier.block_bytes
+    price = [t.cost.usd_per_gb_month * bb / 1e9 for t in hier.tiers]
+    prof = sizing.lru_profile(trace)
+    inp = np.array([r.input_length for r in trace.requests], dtype=np.int64)
+    answer: float | None = None  # the cost of the answer standing
+    last_est = -1.0
+    after = 0  # replays made while an answer stood
+    for caps_bytes in tried[1:]:  # (the first is the largest configuration)
+        caps = tuple(c // bb for c in caps_bytes)
+        cost = sum(c * p for c, p in zip(caps, price, strict=True))
+        est = sizing._p90(sizing.estimate_hits(prof, caps), inp, hier)
+        if answer is not None:
+            after += 1
+            assert cost < answer
+            assert est >= last_est - 1e-12  # most promising first, while this answer stands
+        last_est = est
+        p90, _ = sizing.exact_p90(trace, real_sized(hier, caps_bytes))
+        if p90 <= slo:
+            answer, last_est = cost, -1.0
+    assert after >= 2
