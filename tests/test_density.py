@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import random
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 
@@ -13,159 +12,11 @@ from kvtier.policy.base import always
 from kvtier.policy.chainlinks import ChainLinks
 from kvtier.policy.density import HitDensity
 from kvtier.policy.densitybelow import DensityBelow
-from kvtier.policy.lifetable import LifeTable, _smoothed, _subtract_at, _windows
 from kvtier.sim.replay import TierSpec, replay
 from kvtier.sim.trace import read_trace
 from tests.helpers import host_store, store_documents_then_load_the_last
 from tests.test_policies import check_set_model, ops
 from tests.test_sim import MOONCAKE, tree_trace
-
-
-def _simulate_lives(table: LifeTable, hazard: float, lives: int, seed: int, t0: int = 0) -> int:
-    """Lives of state 0 with a constant per-bucket hazard, started one per clock unit from
-    ``t0``; each ends with a use at a geometric gap (or stays open). Returns the clock after."""
-    rng = random.Random(seed)
-    w = table.width
-    ends: list[tuple[int, int]] = []
-    for i in range(lives):
-        start = t0 + i
-        gap = 0
-        while rng.random() >= hazard:
-            gap += 1
-        ends.append((start, start + gap * w + rng.randrange(w)))
-        table.open(0, start, 1)
-    now = t0 + lives
-    for start, end in sorted(ends, key=lambda e: e[1]):
-        if end >= now + 50 * w:
-            continue  # still open when we look
-        table.tick(end)
-        now = max(now, end)
-        table.close(0, start, end, 1)
-    table.tick(now)
-    return now
-
-
-def test_life_table_recovers_a_constant_hazard() -> None:
-    table = LifeTable(width=10, buckets=16, tau=1e9, horizon=40, prior=1.0)
-    table.grow(1)
-    now = _simulate_lives(table, 0.2, 4000, seed=1)
-    table.refit(now)
-    assert np.allclose(table.hazard[0, :6], 0.2, atol=0.03), table.hazard[0, :8]
-
-
-def test_hazards_at_ages_older_than_the_clock_decay() -> None:
-    """No life can be older than the clock: past it the hazard falls by ``unseen_decay`` a
-    bucket (1 carries the last one seen on), so old blocks are not kept on a guess."""
-    hazards = []
-    for decay in (1.0, 0.5):
-        table = LifeTable(width=10, buckets=64, tau=1e9, horizon=200, prior=1.0, unseen_decay=decay)
-        table.grow(1)
-        now = _simulate_lives(table, 0.2, 200, seed=4)  # ages up to ~ 200 + 50 buckets' worth
-        table.refit(now)
-        hazards.append(table.hazard[0])
-        seen = now // 10 + 1
-        assert seen < 64
-        h = table.hazard[0]
-        assert np.allclose(h[seen:], h[seen - 1] * decay ** np.arange(1, 64 - seen + 1))
-    assert np.array_equal(hazards[0][:seen], hazards[1][:seen])  # what was seen is unchanged
-
-
-def test_life_table_follows_the_recent_regime() -> None:
-    """Weighting by recency: after a change of hazard, the table reads the new one."""
-    table = LifeTable(width=10, buckets=16, tau=2000, horizon=40, prior=1.0)
-    table.grow(1)
-    now = _simulate_lives(table, 0.05, 3000, seed=2)
-    now = _simulate_lives(table, 0.4, 3000, seed=3, t0=now + 20000)
-    table.refit(now)
-    assert table.hazard[0, 0] > 0.3, table.hazard[0, :4]
-
-
-def test_closed_and_censored_lives_leave_no_open_weight() -> None:
-    table = LifeTable(width=4, buckets=8, tau=50, horizon=16, prior=1.0)
-    table.grow(2)
-    for start in range(0, 400, 3):  # long past the ring (old lives) and the rebase
-        table.tick(start)
-        table.open(start % 2, start, 2)
-    for start in range(0, 400, 3):
-        table.close(start % 2, start, 400, 1)
-        table.censor(start % 2, start, 400, 1)
-    scale = np.exp((table._base - 400) / table.tau)
-    assert np.abs(table._open[:2]).max() * scale < 1e-9
-    assert np.abs(table._old[:2]).max() * scale < 1e-9
-
-
-@pytest.mark.parametrize("pull", [0.0, 0.7])
-def test_smoothing_and_windows_match_their_loops(pull: float) -> None:
-    rng = np.random.default_rng(0)
-    events = rng.random((5, 12)) * 3
-    expo = events + rng.random((5, 12)) * 10
-    m = 4.0
-    h = _smoothed(events.copy(), expo.copy(), m, pull)
-    prev = np.full(5, events[:, 0].sum() / expo[:, 0].sum())
-    mean = events.sum(axis=1) / expo.sum(axis=1)
-    for b in range(12):
-        prev = (events[:, b] + m * ((1 - pull) * prev + pull * mean)) / (expo[:, b] + m)
-        assert np.allclose(h[:, b], prev)
-    steps = 8
-    surv, held = _windows(h, steps)
-    for s in range(5):
-        for a in range(12):
-            alive, time = 1.0, 0.0
-            for j in range(steps):
-                hz = h[s, min(a + j, 11)]
-                time += alive * (1 - 0.5 * hz)  # trapezoid over the bucket
-                alive *= 1 - hz
-            assert np.isclose(surv[s, a], alive) and np.isclose(held[s, a], time)
-
-
-def test_mean_pull_keeps_thin_ages_at_the_states_rate() -> None:
-    """A state whose uses come early and late, with a long quiet stretch between: pulled only
-    towards the bucket before, its hazard collapses through the quiet buckets and stays near zero
-    where the late data is thin; pulled partly towards its mean, it comes back to the order of its
-    mean there (and the well-observed quiet buckets stay low either way)."""
-    k = 40
-    events = np.zeros((1, k))
-    expo = np.full((1, k), 1000.0)
-    events[0, :4] = 100.0  # early uses, well observed
-    expo[0, 30:] = 5.0  # thin: few lives reach these ages
-    events[0, 30:] = 0.05  # a use now and then
-    mean = events.sum() / expo.sum()
-    chain = _smoothed(events.copy(), expo.copy(), 50.0, 0.0)[0]
-    pulled = _smoothed(events.copy(), expo.copy(), 50.0, 0.7)[0]
-    assert chain[29] < 1e-30 and chain[30] < 0.1 * mean
-    assert 0.3 * mean < pulled[30] < 3 * mean
-    assert pulled[20] < 0.1 * mean  # 1000 blocks' worth of exposure without a use: low anyway
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_subtract_at_is_numpys_unbuffered_subtract(seed: int) -> None:
-    """``refit``'s row subtraction equals ``np.subtract.at`` to the bit, rows named twice too."""
-    rng = np.random.default_rng(seed)
-    xd = rng.random((9, 3))
-    rows = rng.integers(0, 9, size=7) if seed else np.arange(7)  # seed 0: no repeats
-    w = rng.random((3, 7))
-    want = xd.copy()
-    np.subtract.at(want, rows, w.T)
-    _subtract_at(xd, rows, w)
-    assert np.array_equal(xd, want)
-
-
-def test_one_bucket_ticks_age_lives_as_one_long_tick() -> None:
-    """``tick`` one bucket at a time (its fast path) and across several buckets at once move
-    the same open lives into the old pool."""
-    a = LifeTable(width=4, buckets=8, tau=1e6, horizon=16, prior=1.0)
-    b = LifeTable(width=4, buckets=8, tau=1e6, horizon=16, prior=1.0)
-    for t in (a, b):
-        t.grow(3)
-    for start in range(0, 60, 2):
-        for t in (a, b):
-            t.tick(start)
-            t.open(start % 3, start, 1 + start % 2)
-    for now in range(60, 90):  # 7 buckets: within the ring of open lives (9), as a policy's
-        a.tick(now)  # clock moves (an insert is at most a capacity, half the ring)
-    b.tick(89)
-    assert np.allclose(a._old, b._old) and np.allclose(a._old_sb, b._old_sb)
-    assert np.allclose(a._open, b._open)
 
 
 def below(top: HitDensity[int], capacity: int) -> DensityBelow[int]:

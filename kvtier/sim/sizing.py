@@ -10,25 +10,23 @@ The search, in two stages:
    first) are walked cheapest first; one whose estimated p90 is within ``--screen-margin`` of the
    SLO is replayed exactly and priced (``kvtier.sim.cost``); the first that meets the SLO is the
    answer so far, so the result always comes from a real replay. The margin lets a policy better
-   than LRU (the default) pass configurations LRU would miss. Once an answer is found, the walk
-   goes on over the admitted configurations cheaper than it, most promising (lowest estimate)
-   first: a cheaper one that meets the SLO becomes the answer, and the walk starts again below
-   it. (Cheapest first, the replay budget went on the smallest sizes, the least likely to meet
-   the SLO: the 1.5 s plan on the Mooncake trace stopped at $5,240 after 40 replays where
-   $4,941 meets it, which this order finds in the fourth.) When no admitted configuration
-   cheaper than the answer is left, the margin doubles (or grows to the most the policy has
-   beaten the estimate by in the replays so far, if that is more), up to ``REFINE_MARGIN``,
-   and the walk goes on. (On the Mooncake trace with
-   Llama-3.1-70B and a 1 s SLO, S3-FIFO meets it with 2.2 TB of DRAM, whose LRU estimate is
-   1.17 s; stopping at the first answer chose 4 TB, at 1.7x the monthly cost.) For LRU the
-   estimate is exact, so its margin stays 0 and the first answer is the cheapest. When no admitted
-   candidate meets the SLO but the largest configuration does, the margin doubles the same way,
-   and the largest configuration is the answer of last resort. (A policy other than LRU is not
+   than LRU (the default) pass configurations LRU would miss. Once an answer is found, the walk goes
+   on over the admitted configurations cheaper than it, most promising (lowest estimate) first: a
+   cheaper one that meets the SLO becomes the answer, and the walk starts again below it. (Cheapest
+   first, the budget went on the sizes least likely to meet the SLO: 40 replays missed the Mooncake
+   1.5 s plan's $4,941, which this order finds in 4.) When no admitted configuration cheaper than
+   the answer is left, the margin doubles (or grows to the most the policy has beaten the estimate
+   by in the replays so far, if that is more), up to ``REFINE_MARGIN``, and the walk goes on. (On
+   the Mooncake trace with Llama-3.1-70B and a 1 s SLO, S3-FIFO meets it with 2.2 TB of DRAM, whose
+   LRU estimate is 1.17 s; stopping at the first answer chose 4 TB, at 1.7x the monthly cost.) For
+   LRU the estimate is exact, so its margin stays 0 and the first answer is the cheapest. When no
+   admitted candidate meets the SLO but the largest configuration does, the margin doubles the same
+   way, and the largest configuration is the answer of last resort. (A policy other than LRU is not
    always better with more capacity, so a miss at the largest size does not end the walk.) A looser
    SLO admits a superset of candidates, so it never costs more (exactly so for LRU, whose estimate
    is exact and margin 0; for other policies the margins make it a strong tendency, not a
-   guarantee). The next ``--jobs`` candidates of a walk are replayed at once, in worker
-   processes (``kvtier.sim.replaypool``); the answer and the replays counted do not depend on it.
+   guarantee). The next ``--jobs`` candidates of a walk are replayed at once, in worker processes
+   (``kvtier.sim.replaypool``); the answer and the replays counted do not depend on it.
 
 Costs are ``capacity x $/GB/month`` per tier (GPU rental excluded); the tiers searched are HBM
 (at most what ``--gpus`` x ``--gpu-memory`` leave after weights and a 10% reserve), then
