@@ -28,7 +28,9 @@ of the arrays; weights are rebased every ``30 * tau`` of the clock so they never
 ``tick`` is O(states) per age bucket passed; ``refit`` is O(states x buckets x log(horizon /
 width)) with numpy (prefix scans, on bucket-major copies), run by the policy every so often. The
 horizon is rounded to a power of two buckets. Every sum and product is formed as in the plain
-state-major formulas (same operands, same order), so the results are the same to the bit.
+state-major formulas (same operands, same order), so the results are the same to the bit, but
+for each state's mean hazard (``mean_pull``): its sums over buckets run down the bucket-major
+columns, which may round differently in the last bit from a state-major row sum.
 """
 
 from __future__ import annotations
