@@ -135,6 +135,26 @@ def test_per_request_hints_use_up_states_not_memory() -> None:
     assert pol.table.density.shape[0] <= 2 * HitDensity.max_states
 
 
+def test_states_of_one_place_are_one_family_whatever_the_hint() -> None:
+    """The life table smooths a state's rate towards its family's: the states of a request's new
+    blocks at one place share a family across hints; a reused state is a family of its own. The
+    tables read the states' live family list."""
+    pol: HitDensity[int] = HitDensity(100)
+    pol.insert([1, 2, 3, 4, 5], "short")
+    pol.insert([11, 12, 13, 14, 15], "long")
+    names, fams = pol.states.names, pol.states.families
+    assert len(fams) == len(names)
+    family = {n: f for n, f in zip(names, fams, strict=True)}
+    for place in range(4):
+        assert family[("new", "short", place)] == family[("new", "long", place)]
+    assert len({family[("new", "short", p)] for p in range(4)}) == 4
+    assert len({family[n] for n in names if n[0] != "new"}) == len(
+        [n for n in names if n[0] != "new"]
+    )
+    assert not {family[n] for n in names if n[0] != "new"} & {family[("new", "long", 0)]}
+    assert pol.table.families is fams
+
+
 def test_a_failed_evict_keeps_every_key_evictable() -> None:
     """An eviction that cannot be met (too much pinned) changes nothing: the same keys can be
     evicted afterwards, down to the last one."""

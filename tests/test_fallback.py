@@ -111,10 +111,10 @@ def test_replays_are_lru_exactly_where_the_cache_holds_few_requests(seed: int) -
 
 
 def test_on_mooncake_the_default_is_lru_where_learning_falls_below_it() -> None:
-    """At 32 and 257 blocks the learned ranking alone ends below LRU (docs/simulation.md);
+    """At 48 and 257 blocks the learned ranking alone ends below LRU (docs/simulation.md);
     the default is LRU there, hit for hit."""
     trace = read_trace(MOONCAKE)
-    for cap in (32, 257):
+    for cap in (48, 257):
         lru = replay(trace, [TierSpec("x", cap, "lru")])
         dflt = replay(trace, [TierSpec("x", cap, "density")])
         learned = replay(trace, [TierSpec("x", cap, "density-always")])

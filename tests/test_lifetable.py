@@ -84,17 +84,51 @@ def test_closed_and_censored_lives_leave_no_open_weight() -> None:
     assert np.abs(table._old[:2]).max() * scale < 1e-9
 
 
-@pytest.mark.parametrize("pull", [0.0, 0.7])
-def test_smoothing_and_windows_match_their_loops(pull: float) -> None:
+def _local_rates_loop(
+    events: np.ndarray, expo: np.ndarray, prior: float, family: np.ndarray | None, window: float
+) -> np.ndarray:
+    """``_local_rates_bm`` as a loop (state-major): walk back from each bucket, taking exposure
+    (and its events pro rata) until the window is full; short of it, the rest at the mean."""
+    n, k = events.shape
+    mean = events.sum(axis=1) / expo.sum(axis=1)
+    if family is not None:
+        for s in range(n):
+            kin = family == family[s]
+            fam = events[kin].sum() / expo[kin].sum()
+            mean[s] = (events[s].sum() + prior * fam) / (expo[s].sum() + prior)
+    if window <= 0:
+        return np.repeat(mean[:, None], k, axis=1)
+    out = np.empty((n, k))
+    for s in range(n):
+        for b in range(k):
+            ev = x = 0.0
+            for j in range(b - 1, -1, -1):
+                take = min(expo[s, j], window - x)
+                if take > 0:
+                    ev += events[s, j] * take / expo[s, j]
+                    x += take
+            out[s, b] = (ev + (window - x) * mean[s]) / window
+    return out
+
+
+@pytest.mark.parametrize(
+    ("pull", "window", "families"),
+    [(0.0, 0.0, False), (0.7, 0.0, False), (0.7, 0.0, True), (0.7, 30.0, True), (0.7, 30.0, False)],
+)
+def test_smoothing_and_windows_match_their_loops(
+    pull: float, window: float, families: bool
+) -> None:
     rng = np.random.default_rng(0)
     events = rng.random((5, 12)) * 3
     expo = events + rng.random((5, 12)) * 10
+    expo[1, 3:6] = events[1, 3:6] = 0.0  # buckets no life reached
+    family = np.array([0, 1, 0, 2, 1]) if families else None
     m = 4.0
-    h = _smoothed(events.copy(), expo.copy(), m, pull)
+    h = _smoothed(events.copy(), expo.copy(), m, pull, family, window)
     prev = np.full(5, events[:, 0].sum() / expo[:, 0].sum())
-    mean = events.sum(axis=1) / expo.sum(axis=1)
+    target = _local_rates_loop(events, expo, m, family, window)
     for b in range(12):
-        prev = (events[:, b] + m * ((1 - pull) * prev + pull * mean)) / (expo[:, b] + m)
+        prev = (events[:, b] + m * ((1 - pull) * prev + pull * target[:, b])) / (expo[:, b] + m)
         assert np.allclose(h[:, b], prev)
     steps = 8
     surv, held = _windows(h, steps)
@@ -108,23 +142,57 @@ def test_smoothing_and_windows_match_their_loops(pull: float) -> None:
             assert np.isclose(surv[s, a], alive) and np.isclose(held[s, a], time)
 
 
-def test_mean_pull_keeps_thin_ages_at_the_states_rate() -> None:
-    """A state whose uses come early and late, with a long quiet stretch between: pulled only
-    towards the bucket before, its hazard collapses through the quiet buckets and stays near zero
-    where the late data is thin; pulled partly towards its mean, it comes back to the order of its
-    mean there (and the well-observed quiet buckets stay low either way)."""
+def test_thin_ages_take_the_rate_of_the_nearest_ages_with_data() -> None:
+    """A state used at a steady 2% a bucket while data lasts, then thin: pulled only towards the
+    bucket before, its hazard sinks through the thin ages; pulled towards the local rate, it
+    stays at the rate of the ages just younger."""
+    k = 80
+    events = np.full((1, k), 20.0)
+    expo = np.full((1, k), 1000.0)
+    expo[0, 30:] = 2.0  # thin: few lives reach these ages, none used there yet
+    events[0, 30:] = 0.0
+    chain = _smoothed(events.copy(), expo.copy(), 50.0, 0.0)[0]
+    local = _smoothed(events.copy(), expo.copy(), 50.0, 0.7, None, 2000.0)[0]
+    assert chain[79] < 0.25 * 0.02
+    assert 0.015 < local[79] < 0.025
+
+
+def test_a_falling_hazard_stays_low_at_thin_old_ages() -> None:
+    """A state used mostly young (a chat turn answered at once) and never at well-observed middle
+    ages: its mean over all ages is the young rate, and pulled towards it the thin old ages came
+    back to it -- old blocks that were never coming back outranked young ones. Pulled towards the
+    local rate they stay near the middle ages' (zero)."""
     k = 40
     events = np.zeros((1, k))
     expo = np.full((1, k), 1000.0)
-    events[0, :4] = 100.0  # early uses, well observed
-    expo[0, 30:] = 5.0  # thin: few lives reach these ages
-    events[0, 30:] = 0.05  # a use now and then
+    events[0, :4] = 300.0  # used at once, mostly
+    expo[0, 30:] = 2.0  # thin old ages
     mean = events.sum() / expo.sum()
-    chain = _smoothed(events.copy(), expo.copy(), 50.0, 0.0)[0]
-    pulled = _smoothed(events.copy(), expo.copy(), 50.0, 0.7)[0]
-    assert chain[29] < 1e-30 and chain[30] < 0.1 * mean
-    assert 0.3 * mean < pulled[30] < 3 * mean
-    assert pulled[20] < 0.1 * mean  # 1000 blocks' worth of exposure without a use: low anyway
+    to_mean = _smoothed(events.copy(), expo.copy(), 50.0, 0.7)[0]
+    local = _smoothed(events.copy(), expo.copy(), 50.0, 0.7, None, 2000.0)[0]
+    assert to_mean[39] > 0.3 * mean
+    assert local[39] < 0.01 * mean
+    assert local[20] < 0.01 * mean and to_mean[20] < 0.1 * mean  # well observed: the data decides
+
+
+def test_a_rare_states_rate_comes_from_its_family() -> None:
+    """State 1 (a rare hint) has a few lives and no use yet; its family (state 0, same place) is
+    used at 1% a bucket. Alone, its hazard is the pooled bucket 0 falling away to nothing; with
+    its family, the family's rate, less for its own lives without a use (10 buckets' worth of
+    exposure against the prior's 20: two thirds of it). A state with plenty of data (2) keeps
+    its own rate."""
+    k = 20
+    events = np.zeros((3, k))
+    expo = np.full((3, k), 1000.0)
+    events[0] = 10.0
+    expo[1] = 0.5
+    events[2] = 50.0
+    family = np.array([0, 0, 1])
+    alone = _smoothed(events.copy(), expo.copy(), 20.0, 0.7, None, 400.0)
+    kin = _smoothed(events.copy(), expo.copy(), 20.0, 0.7, family, 400.0)
+    assert alone[1, k - 1] < 1e-4
+    assert 0.005 < kin[1, k - 1] < 0.008
+    assert np.allclose(kin[2], alone[2]) and 0.045 < kin[2, k - 1] < 0.055
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -8,10 +8,10 @@ and an *age* (time since then).
 A ``LifeTable`` learns per state and age how likely a next use is and how soon, weighting recent
 observations most, and gives each (state, age) a *hit density*: the chance of a use within the
 next ``horizon_fraction`` capacities' worth of the clock over the space-time held until then.
-Nothing about the workload is coded in; a state without data gets the pooled rate, and before
-anything is learned the oldest blocks go first. The clock is *churn* (new blocks inserted), so
-ages, bucket width, horizon and recency weighting are all fractions of the capacity. Results:
-``docs/simulation.md``.
+Nothing about the workload is coded in; a state without data gets its family's rate (the same
+place, any hint), and before anything is learned the oldest blocks go first. The clock is
+*churn* (new blocks inserted), so ages, bucket width, horizon and recency weighting are all
+fractions of the capacity. Results: ``docs/simulation.md``.
 
 Each state keeps a FIFO queue in order of last use. A block's density is taken as the lowest it
 had at any age up to its own (so it never rises with age), which makes a queue's oldest entry its
@@ -69,21 +69,20 @@ class HitDensity(EvictionPolicy[K]):
     horizon_fraction: ClassVar[float] = 2.0
     #: smoothing of the hazards: pseudo-observations, as a fraction of the capacity (at least 1)
     prior_fraction: ClassVar[float] = 0.003
-    #: the table is refit every this many buckets of the clock, and at most every
-    #: ``min_refit_blocks`` of it (a small cache would otherwise refit every few blocks)
+    #: refit every this many buckets of the clock, at most every ``min_refit_blocks`` of it
     refit_buckets: ClassVar[int] = 8
     min_refit_blocks: ClassVar[int] = 64
     #: a reused block's state: used once, or more (finer states did worse: docs/simulation.md)
     max_uses: ClassVar[int] = 2
-    #: states learned at most (a caller passing per-request hints gets the catch-all state
-    #: once they are used up; each state costs a row of the life table)
+    #: states learned at most (a row of the life table each; then hints share the catch-all)
     max_states: ClassVar[int] = 512
     #: evicted keys remembered (state, last use) as a multiple of the capacity
     ghost_factor: ClassVar[float] = 3.0
-    #: hazards at ages older than the clock (no data can exist) fall by this factor a bucket,
-    #: and the hazards' smoothing pulls this share towards the state's mean (``LifeTable``)
+    #: hazards past the clock fall by this factor a bucket; smoothing pulls this share towards
+    #: the state's rate over this much exposure at the nearest younger ages (x prior: LifeTable)
     unseen_decay: ClassVar[float] = 0.9
     mean_pull: ClassVar[float] = 0.7
+    mean_window: ClassVar[float] = 64.0
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
@@ -106,11 +105,11 @@ class HitDensity(EvictionPolicy[K]):
         self.passes_down = False
         self.passed: dict[K, int] = {}
         self.passed_parent: dict[K, K | None] = {}
-        #: the tiers below: their blocks, and a table each at the scale of this tier and the
-        #: tiers down to it (fed the same lives: ``extend``)
+        #: the tiers below: their blocks, and a table each at the scale down to it (``extend``)
         self.below = 0
         self._scales: list[DensityTable] = []
         self.states = LifeStates(self.max_states, self.max_uses, self._grow)  # (last: grows)
+        self.table.families = self.states.families
 
     @classmethod
     def _scale(cls, blocks: int) -> DensityTable:
@@ -126,18 +125,20 @@ class HitDensity(EvictionPolicy[K]):
             min_refit=cls.min_refit_blocks,
             unseen_decay=cls.unseen_decay,
             mean_pull=cls.mean_pull,
+            mean_window=cls.mean_window,
         )
 
     def extend(self, capacity: int) -> DensityTable:
         """A tier of ``capacity`` blocks joins below (before any use). The ghost grows to
         ``ghost_factor`` times the whole hierarchy (it holds the keys below too), so a return
-        from any tier, or after the last, is learned at its true age; the same lives feed a
-        table at the scale of the hierarchy down to that tier, which it ranks by (this tier's
-        table sees ages up to twice its own capacity only; a tier below holds older blocks)."""
+        from any tier, or after the last, is learned at its true age; the same lives feed a table
+        at the scale of the hierarchy down to that tier, which it ranks by (this tier's table
+        sees ages up to twice its capacity only; a tier below holds older blocks)."""
         self.below += capacity
         self.ghost.cap = max(self.ghost.cap, int(self.ghost_factor * (self.capacity + self.below)))
         scale = self._scale(max(1, self.capacity) + self.below)
         scale.grow(len(self._queues))
+        scale.table.families = self.states.families
         (self._scales[-1] if self._scales else self.ranked).table.also = scale.table
         self._scales.append(scale)
         return scale
@@ -460,8 +461,8 @@ class HitDensity(EvictionPolicy[K]):
         self._rebuild()
 
     def remove(self, key: K) -> None:
-        """Forget ``key`` (O(1) at a run's ends, else its run is found by a scan: the store
-        removes a resident key only when it is deleted or found corrupt)."""
+        """Forget ``key`` (O(1) at a run's ends, else its run is found by a scan: the store removes
+        a resident key only when it is deleted or found corrupt)."""
         if key in self._runs.res:
             m = self._runs.detach(key)
             self.table.censor(m & STATE_MASK, m >> START_SHIFT, self.now)
@@ -477,8 +478,7 @@ class HitDensity(EvictionPolicy[K]):
 
     # -- hierarchy -----------------------------------------------------------------------------
     def feed_by_demotion(self, upper: EvictionPolicy[K] | None = None) -> EvictionPolicy[K]:
-        """A tier below: ``DensityBelow``, ranking what the tier above demotes by the state and
-        age it had there (with the top tier's table when that is a density tier)."""
+        """A tier below: ``DensityBelow``, ranking what is demoted by its state and age here."""
         from kvtier.policy.densitybelow import DensityBelow
 
         return DensityBelow(self.capacity, upper)

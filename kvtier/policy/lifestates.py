@@ -9,7 +9,10 @@ A block's *state* is set at its last use from what the policy knew then:
 * a block used again: ``("used", count)``, its use count capped at ``max_uses``.
 
 States are small ints handed out in order of first use, at most ``max_states`` (a caller passing
-a new hint with every request gets state 0, the catch-all, once they are used up). A resident
+a new hint with every request gets state 0, the catch-all, once they are used up). A state's
+*family* is its place among the new blocks whatever the hint (a state not of new blocks is a
+family of its own): a rare hint's state learns little alone, and the life table smooths its rate
+towards its family's (``LifeTable.families``). A resident
 block's *meta* packs its state, use count and the clock of its last use into one int:
 ``start << START_SHIFT | uses << USES_SHIFT | state``. A policy queues its entries (a key or a
 run, with its meta) per state, oldest at the right; ``queue_heads`` prices the oldest of each.
@@ -44,7 +47,10 @@ class LifeStates:
         """``grown(n)`` is called when state ``n - 1`` is handed out (the caller makes room)."""
         self.max_states = min(max_states, MAX_STATES)
         self.names: list[Hashable] = []
+        #: each state's family (dense ints, by state): the same place among new blocks, any hint
+        self.families: list[int] = []
         self._ids: dict[Hashable, int] = {}
+        self._family_ids: dict[Hashable, int] = {}
         self._new: dict[Hashable, list[int]] = {}
         self._grown = grown
         self.id(("unlabelled",))  # state 0: the catch-all
@@ -64,6 +70,8 @@ class LifeStates:
                 return 0
             s = self._ids[name] = len(self.names)
             self.names.append(name)
+            family = ("new", name[2]) if isinstance(name, tuple) and name[0] == "new" else name
+            self.families.append(self._family_ids.setdefault(family, len(self._family_ids)))
             self._grown(len(self.names))
         return s
 

@@ -15,8 +15,11 @@ weighted by ``exp(-(now - when it happened) / tau)``, so the table follows a wor
 changes over time (on the Mooncake trace the chance that a reused document is used again within
 200 requests goes from 3% in the first thousand requests to 60% in the last) instead of averaging
 over cohorts that no longer behave alike. Hazards are smoothed with ``prior`` pseudo-observations
-towards a mix of the previous bucket's and the state's mean hazard over all ages (bucket 0:
-towards the pooled hazard of every state's bucket 0, and the mean).
+towards a mix of the previous bucket's hazard (bucket 0: the pooled hazard of every state's bucket
+0) and a *local rate*: the state's events over its last ``mean_window`` x ``prior`` of exposure at
+younger ages (where it has less, the rest at its mean over all ages). A state's mean is itself
+smoothed with ``prior`` of exposure towards its family's (``families``: states that differ only
+in the caller's hint), so a rare state's rate comes from its kin, not from a handful of lives.
 
 From the hazards it computes the *hit density* of a block in state ``s`` at age ``a`` (LHD,
 Beckmann et al., NSDI'18): the chance it is used within ``horizon`` divided by the time it is
@@ -29,7 +32,7 @@ of the arrays; weights are rebased every ``30 * tau`` of the clock so they never
 width)) with numpy (prefix scans, on bucket-major copies), run by the policy every so often. The
 horizon is rounded to a power of two buckets. Every sum and product is formed as in the plain
 state-major formulas (same operands, same order), so the results are the same to the bit, but
-for each state's mean hazard (``mean_pull``): its sums over buckets run down the bucket-major
+for the pull's targets (``mean_pull``): their sums over buckets run down the bucket-major
 columns, which may round differently in the last bit from a state-major row sum.
 """
 
@@ -60,6 +63,7 @@ class LifeTable:
         prior: float = 100.0,
         unseen_decay: float = 1.0,
         mean_pull: float = 0.0,
+        mean_window: float = 0.0,
     ) -> None:
         """``width``: age bucket width (clock units, >= 1); ``buckets``: buckets kept (the last
         takes every older age); ``tau``: recency weighting (clock units); ``horizon``: how far
@@ -67,8 +71,9 @@ class LifeTable:
         ``unseen_decay``: the factor a bucket's hazard is below the one before it, in buckets of
         ages older than the clock (no life can have reached them yet: 1 carries the last hazard
         seen on unchanged); ``mean_pull``: the share of the smoothing that pulls a bucket's
-        hazard towards the state's mean hazard over all ages (the rest pulls towards the bucket
-        before it)."""
+        hazard towards the state's local rate (the rest pulls towards the bucket before it);
+        ``mean_window``: the exposure the local rate is taken over, in units of ``prior`` (0:
+        the state's mean over all ages)."""
         self.width = max(1, int(width))
         self.buckets = max(2, int(buckets))
         self.tau = max(1e-9, float(tau))
@@ -76,6 +81,7 @@ class LifeTable:
         self.prior = max(1e-6, float(prior))
         self.unseen_decay = min(1.0, max(0.0, float(unseen_decay)))
         self.mean_pull = min(1.0, max(0.0, float(mean_pull)))
+        self.mean_window = max(0.0, float(mean_window))
         self._base = 0  # weights are exp((t - base) / tau)
         k = self.buckets
         self._ring = k + 1
@@ -99,6 +105,9 @@ class LifeTable:
         #: a second table fed the same lives (``open``, ``close``, ``censor``), e.g. at the
         #: scale of a whole hierarchy; its owner grows, ticks and refits it
         self.also: LifeTable | None = None
+        #: each state's family (``LifeStates.families``, read at ``refit``): a state's mean
+        #: hazard is smoothed towards its family's; None (or too short): each state alone
+        self.families: list[int] | None = None
 
     # -- bookkeeping -----------------------------------------------------------------------
     def grow(self, states: int) -> None:
@@ -246,7 +255,11 @@ class LifeTable:
         np.multiply(self._ev[:n].T, fc, out=events)
         tot_x = expo[0].sum()
         pooled = events[0].sum() / tot_x if tot_x > 0 else 0.0
-        h = _smoothed_bm(events, expo, self.prior, pooled, self.mean_pull)
+        fams = self.families
+        family = None if fams is None or len(fams) < n else np.asarray(fams[:n], dtype=np.int64)
+        h = _smoothed_bm(
+            events, expo, self.prior, pooled, self.mean_pull, family, self.mean_window * self.prior
+        )
         seen = now // w + 1  # buckets of ages a life can have reached by now
         if seen < k and self.unseen_decay < 1.0:
             h[seen:] = h[seen - 1] * (self.unseen_decay ** np.arange(1, k - seen + 1))[:, None]
@@ -285,11 +298,13 @@ def _smoothed(
     expo: npt.NDArray[np.float64],
     prior: float,
     mean_pull: float = 0.0,
+    family: npt.NDArray[np.int64] | None = None,
+    window: float = 0.0,
 ) -> npt.NDArray[np.float64]:
     """``_smoothed_bm`` for state-major arrays (``[state, bucket]``); the inputs are kept."""
     tot_x = expo[:, 0].sum()
     pooled = events[:, 0].sum() / tot_x if tot_x > 0 else 0.0
-    h = _smoothed_bm(events.T.copy(), expo.T.copy(), prior, pooled, mean_pull)
+    h = _smoothed_bm(events.T.copy(), expo.T.copy(), prior, pooled, mean_pull, family, window)
     return h.T
 
 
@@ -307,23 +322,25 @@ def _smoothed_bm(
     prior: float,
     pooled: float,
     mean_pull: float = 0.0,
+    family: npt.NDArray[np.int64] | None = None,
+    window: float = 0.0,
 ) -> npt.NDArray[np.float64]:
-    """Hazards ``h[b, s] = (events + prior * ((1 - p) * h[b - 1, s] + p * m[s])) / (exposure +
-    prior)`` (bucket-major arrays; ``p``: ``mean_pull``; ``m[s]``: the state's mean hazard, its
-    events over its exposure at all ages), bucket 0's ``h[b - 1]`` being the pooled hazard of
-    bucket 0 (``pooled``). The recurrence is affine in ``h[b - 1]``, so it is a prefix
-    composition of affine maps, computed in log2(buckets) numpy steps. Overwrites ``events``
-    and ``expo``.
+    """Hazards ``h[b, s] = (events + prior * ((1 - p) * h[b - 1, s] + p * r[b, s])) / (exposure
+    + prior)`` (bucket-major arrays; ``p``: ``mean_pull``; ``r``: the local rates,
+    ``_local_rates_bm``), bucket 0's ``h[b - 1]`` being the pooled hazard of bucket 0
+    (``pooled``). The recurrence is affine in ``h[b - 1]``, so it is a prefix composition of
+    affine maps, computed in log2(buckets) numpy steps. Overwrites ``events`` and ``expo``.
 
     Pulled only towards the bucket before, a state's hazard falls geometrically through a run of
     buckets without events and stays near zero wherever data is thin after it: old blocks of a
     state whose reuse comes late looked worthless (densities of 1e-13 on the shared trace). The
-    mean holds such ages near the state's own rate until the data there says otherwise."""
+    local rate holds such ages at the rate seen at the nearest younger ages with data. (Its
+    first form, the state's mean over all ages, is dominated by the young ages where most uses
+    and lives are: a state whose hazard falls with age came back to it at every thin old age,
+    and near a trace's top the blocks that were never coming back outranked young ones.)"""
     k = events.shape[0]
     if mean_pull > 0.0:
-        tot = expo.sum(axis=0)
-        mean = np.divide(events.sum(axis=0), tot, out=np.zeros_like(tot), where=tot > 0)
-        events += (prior * mean_pull) * mean
+        events += (prior * mean_pull) * _local_rates_bm(events, expo, prior, family, window)
     expo += prior
     c = np.divide(events, expo, out=events)  # h[b] = a[b] * h[b - 1] + c[b]
     a = np.divide(prior * (1.0 - mean_pull), expo, out=expo)
@@ -339,6 +356,49 @@ def _smoothed_bm(
     a += c
     h: npt.NDArray[np.float64] = np.clip(a, 0.0, 1.0, out=a)
     return h
+
+
+def _local_rates_bm(
+    events: npt.NDArray[np.float64],
+    expo: npt.NDArray[np.float64],
+    prior: float,
+    family: npt.NDArray[np.int64] | None,
+    window: float,
+) -> npt.NDArray[np.float64]:
+    """The rate each (bucket, state) is pulled towards (bucket-major, ``[k, n]``): the state's
+    events over the last ``window`` of its exposure in younger buckets (the oldest bucket of it
+    pro rata); where the younger buckets hold less than ``window``, what is missing counts at
+    the state's mean. The mean is its events over its exposure at all ages, smoothed with
+    ``prior`` of exposure towards its ``family``'s mean (None: unsmoothed). ``window`` 0: the
+    mean at every bucket ([1, n])."""
+    k, n = events.shape
+    tot = expo.sum(axis=0)
+    ev = events.sum(axis=0)
+    if family is not None:
+        fam_ev, fam_x = np.bincount(family, ev), np.bincount(family, tot)
+        fam = np.divide(fam_ev, fam_x, out=np.zeros_like(fam_ev), where=fam_x > 0)
+        mean = (ev + prior * fam[family]) / (tot + prior)
+    else:
+        mean = np.divide(ev, tot, out=np.zeros_like(tot), where=tot > 0)
+    if window <= 0.0:
+        every: npt.NDArray[np.float64] = mean[None, :]
+        return every
+    xc = np.zeros((k + 1, n))  # exposure and events in buckets < b, b = 0 .. k
+    np.cumsum(expo, axis=0, out=xc[1:])
+    ec = np.zeros((k + 1, n))
+    np.cumsum(events, axis=0, out=ec[1:])
+    # a state's events as a function of its exposure (piecewise linear), read ``window`` before
+    # each bucket: one lookup over the states' columns laid end to end, each offset past the
+    # last; exposure missing before age 0 counts at the mean
+    back = xc[:k] - window
+    offset = (xc[k].max() + 1.0) * np.arange(n)
+    at = np.interp(
+        (np.maximum(back, 0.0) + offset).T.ravel(), (xc + offset).T.ravel(), ec.T.ravel()
+    )
+    out: npt.NDArray[np.float64] = ec[:k] - at.reshape(n, k).T
+    out += np.clip(np.negative(back, out=back), 0.0, None, out=back) * mean
+    out /= window
+    return out
 
 
 def _windows_bm(
@@ -392,6 +452,7 @@ class DensityTable:
         min_refit: int,
         unseen_decay: float = 1.0,
         mean_pull: float = 0.0,
+        mean_window: float = 0.0,
     ) -> None:
         blocks = max(1, blocks)
         self.table = LifeTable(
@@ -402,6 +463,7 @@ class DensityTable:
             prior=max(1.0, blocks * prior_fraction),
             unseen_decay=unseen_decay,
             mean_pull=mean_pull,
+            mean_window=mean_window,
         )
         self.width = self.table.width
         self.buckets = self.table.buckets
