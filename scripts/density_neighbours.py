@@ -39,6 +39,8 @@ NEIGHBOURS = [
     ("ghost_factor", 2.0),
     ("mean_pull", 0.5),
     ("mean_pull", 0.9),
+    ("mean_window", 32.0),
+    ("mean_window", 128.0),
     ("refit_buckets", 4),
     ("refit_buckets", 16),
 ]

@@ -153,6 +153,9 @@ def test_states_of_one_place_are_one_family_whatever_the_hint() -> None:
     )
     assert not {family[n] for n in names if n[0] != "new"} & {family[("new", "long", 0)]}
     assert pol.table.families is fams
+    below = pol.extend(1000)  # a tier below: its table pulls towards the mean, same families
+    assert below.table.families is fams
+    assert below.table.mean_window == HitDensity.mean_window_below < pol.table.mean_window
 
 
 def test_a_failed_evict_keeps_every_key_evictable() -> None:

@@ -83,12 +83,13 @@ class HitDensity(EvictionPolicy[K]):
     unseen_decay: ClassVar[float] = 0.9
     mean_pull: ClassVar[float] = 0.7
     mean_window: ClassVar[float] = 64.0
+    mean_window_below: ClassVar[float] = 0.0  # the tiers' below (a window cost hierarchies)
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         cap = max(1, capacity)
         #: this tier's life table and the densities it ranks by
-        self.ranked = self._scale(cap)
+        self.ranked = self._scale(cap, self.mean_window)
         self.table = self.ranked.table
         self.width = self.ranked.width
         #: the churn clock (new blocks inserted so far), and its age bucket
@@ -112,7 +113,7 @@ class HitDensity(EvictionPolicy[K]):
         self.table.families = self.states.families
 
     @classmethod
-    def _scale(cls, blocks: int) -> DensityTable:
+    def _scale(cls, blocks: int, window: float) -> DensityTable:
         """A life table at the scale of ``blocks`` blocks, with this policy's settings."""
         return DensityTable(
             blocks,
@@ -125,7 +126,7 @@ class HitDensity(EvictionPolicy[K]):
             min_refit=cls.min_refit_blocks,
             unseen_decay=cls.unseen_decay,
             mean_pull=cls.mean_pull,
-            mean_window=cls.mean_window,
+            mean_window=window,
         )
 
     def extend(self, capacity: int) -> DensityTable:
@@ -136,7 +137,7 @@ class HitDensity(EvictionPolicy[K]):
         sees ages up to twice its capacity only; a tier below holds older blocks)."""
         self.below += capacity
         self.ghost.cap = max(self.ghost.cap, int(self.ghost_factor * (self.capacity + self.below)))
-        scale = self._scale(max(1, self.capacity) + self.below)
+        scale = self._scale(max(1, self.capacity) + self.below, self.mean_window_below)
         scale.grow(len(self._queues))
         scale.table.families = self.states.families
         (self._scales[-1] if self._scales else self.ranked).table.also = scale.table
@@ -277,9 +278,8 @@ class HitDensity(EvictionPolicy[K]):
         return self.ranked.density(s, self.now - start)
 
     def _reprice(self) -> None:
-        """Reprice the heap's live entries at the current ages. An entry may name a start
-        older than its queue's live head (the head's run left): ``evict`` then meets it early
-        and pushes the head at its own density."""
+        """Reprice the heap's live entries at the current ages. An entry may name a start older
+        than its queue's live head (the head's run left): ``evict`` then pushes the head."""
         top = self._top
         heap = [(self.density(s, st), st, s) for _, st, s in self._heap if top[s] == st]
         heapq.heapify(heap)
