@@ -387,9 +387,8 @@ def _local_rates_bm(
     np.cumsum(expo, axis=0, out=xc[1:])
     ec = np.zeros((k + 1, n))
     np.cumsum(events, axis=0, out=ec[1:])
-    # a state's events as a function of its exposure (piecewise linear), read ``window`` before
-    # each bucket: one lookup over the states' columns laid end to end, each offset past the
-    # last; exposure missing before age 0 counts at the mean
+    # events as a function of exposure (piecewise linear), read ``window`` before each bucket in
+    # one lookup over the states' columns laid end to end (each offset past the last)
     back = xc[:k] - window
     offset = (xc[k].max() + 1.0) * np.arange(n)
     at = np.interp(
