@@ -83,7 +83,7 @@ class HitDensity(EvictionPolicy[K]):
     unseen_decay: ClassVar[float] = 0.9
     mean_pull: ClassVar[float] = 0.7
     mean_window: ClassVar[float] = 64.0
-    mean_window_below: ClassVar[float] = 0.0  # the tiers' below (a window cost hierarchies)
+    mean_window_below: ClassVar[float] = 0.0  # for the tiers below (a window there cost: docs)
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
