@@ -5,11 +5,12 @@
 ``__init__`` (the registry: no hot code, and a plain package keeps it importable as usual), plus
 the replay loop and the tier chain that drive them. They are compiled as one mypyc group
 (``kvtier/_native__mypyc*.so`` holds the code, each module a small shim), so the modules call
-each other directly in C.
+each other directly in C. ``KERNELS`` are hand-written C extension modules built with the group
+(the life table's scans), which the compiled modules use when the build is current.
 
 The compiled build is optional: with ``KVTIER_PURE=1`` set at install, or when mypyc or the C
 compiler fails, the install goes on pure Python (the reason is printed: ``pip -v``). A build
-records each compiled module's source hash in ``kvtier/_native.json``; ``kvtier/_native.py``
+records each compiled module's and kernel's source hash in ``kvtier/_native.json``; ``kvtier/_native.py``
 reads it at import and falls back to the pure modules when a source changed since (the guard
 against an edit in an editable checkout silently not taking effect).
 """
@@ -27,7 +28,7 @@ from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 from typing import Any
 
-from setuptools import Distribution, setup
+from setuptools import Distribution, Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
@@ -36,6 +37,10 @@ COMPILED = ["kvtier/policy/*.py", "kvtier/sim/replay.py", "kvtier/sim/tierchain.
 EXCLUDED = {"kvtier/policy/__init__.py"}
 GROUP = "kvtier._native"  # the shared library: kvtier/_native__mypyc.<abi>.so
 MANIFEST = "kvtier/_native.json"  # module -> sha256 of the source it was compiled from
+#: C kernels built with the group (and only with it): module -> source. -ffp-contract=off: no
+#: fused multiply-adds, so the kernels' floats are numpy's to the bit (kvtier/policy/lifescans.py)
+KERNELS = {"kvtier.policy._lifescans": "kvtier/policy/_lifescans.c"}
+KERNEL_FLAGS = ["-O3", "-ffp-contract=off"]
 
 
 def compiled_sources() -> list[str]:
@@ -66,7 +71,12 @@ def extensions() -> list[Any]:
         try:
             from mypyc.build import mypycify
 
-            _extensions.append(mypycify(compiled_sources(), opt_level="3", group_name=GROUP))
+            group = mypycify(compiled_sources(), opt_level="3", group_name=GROUP)
+            kernels = [
+                Extension(name, [src], extra_compile_args=KERNEL_FLAGS)
+                for name, src in KERNELS.items()
+            ]
+            _extensions.append([*group, *kernels])
         except BaseException as e:  # mypyc reports type errors with sys.exit
             if isinstance(e, KeyboardInterrupt):
                 raise
@@ -98,6 +108,7 @@ class MypycBuildExt(build_ext):
             clean(Path(self.build_lib))  # a previous build's, which the wheel would take
             return
         current = {p[:-3].replace("/", ".") for p in compiled_sources()} | {f"{GROUP}__mypyc"}
+        current |= set(KERNELS)
         clean(Path(self.build_lib), keep=current)  # modules no longer compiled (renamed ...)
         try:
             super().run()
@@ -111,7 +122,16 @@ class MypycBuildExt(build_ext):
             p[:-3].replace("/", "."): hashlib.sha256((ROOT / p).read_bytes()).hexdigest()
             for p in compiled_sources()
         }
-        build = {"modules": modules, "globs": COMPILED, "excluded": sorted(EXCLUDED)}
+        kernels = {
+            name: hashlib.sha256((ROOT / src).read_bytes()).hexdigest()
+            for name, src in KERNELS.items()
+        }
+        build = {
+            "modules": modules,
+            "kernels": kernels,
+            "globs": COMPILED,
+            "excluded": sorted(EXCLUDED),
+        }
         text = json.dumps(build, indent=1, sort_keys=True)
         for base in (self.build_lib, ROOT) if inplace else (self.build_lib,):
             Path(base, MANIFEST).write_text(text + "\n")
@@ -126,9 +146,11 @@ def clean(base: Path, keep: set[str] | None = None) -> None:
     build folder): its manifest, and the extension modules of every module it lists or
     ``COMPILED`` lists now, and the group's -- but those named in ``keep`` (up to date ones)."""
     names = {p[:-3].replace("/", ".") for p in compiled_sources()} | {f"{GROUP}__mypyc"}
+    names |= set(KERNELS)
     manifest = base / MANIFEST
-    with contextlib.suppress(OSError, ValueError, KeyError):
-        names |= set(json.loads(manifest.read_text())["modules"])
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        built = json.loads(manifest.read_text())
+        names |= set(built["modules"]) | set(built.get("kernels", {}))
     manifest.unlink(missing_ok=True)
     for name in names - (keep or set()):
         for suffix in EXTENSION_SUFFIXES:

@@ -44,19 +44,26 @@ def source(module: str) -> Path:
 
 @dataclass(frozen=True)
 class Build:
-    """What a compiled build recorded (``setup.py``): module -> sha256 of its source, and the
-    globs (relative to the package's parent) that chose the modules, less ``excluded``."""
+    """What a compiled build recorded (``setup.py``): module -> sha256 of its source, the
+    same for its C ``kernels`` (source: the module's path with ``.c``), and the globs (relative
+    to the package's parent) that chose the modules, less ``excluded``."""
 
     modules: dict[str, str] = field(default_factory=dict)
     globs: list[str] = field(default_factory=list)
     excluded: list[str] = field(default_factory=list)
+    kernels: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def read(cls, manifest: Path = MANIFEST) -> Build:
         """The build recorded in ``manifest`` (empty: no compiled build)."""
         try:
             data = json.loads(manifest.read_text())
-            return cls(dict(data["modules"]), list(data["globs"]), list(data["excluded"]))
+            return cls(
+                dict(data["modules"]),
+                list(data["globs"]),
+                list(data["excluded"]),
+                dict(data.get("kernels", {})),
+            )
         except (OSError, ValueError, KeyError, TypeError):
             return cls()
 
@@ -64,8 +71,9 @@ class Build:
         """The modules out of date: source changed or extension module missing, and the
         sources the globs match now that the build did not compile."""
         out = []
-        for module, digest in self.modules.items():
-            src = source(module)
+        built = [(m, d, source(m)) for m, d in self.modules.items()]
+        built += [(m, d, source(m).with_suffix(".c")) for m, d in self.kernels.items()]
+        for module, digest, src in built:
             try:
                 current = hashlib.sha256(src.read_bytes()).hexdigest() == digest
             except OSError:

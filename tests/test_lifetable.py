@@ -8,7 +8,10 @@ import random
 import numpy as np
 import pytest
 
-from kvtier.policy.lifetable import LifeTable, _smoothed, _subtract_at, _windows
+from kvtier.policy.lifescans import _subtract_at
+from kvtier.policy.lifescans import smoothed as _smoothed
+from kvtier.policy.lifescans import windows as _windows
+from kvtier.policy.lifetable import LifeTable
 
 
 def _simulate_lives(table: LifeTable, hazard: float, lives: int, seed: int, t0: int = 0) -> int:

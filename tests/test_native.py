@@ -149,3 +149,15 @@ def test_stale_lists_changed_sources_and_new_ones_the_globs_match() -> None:
     assert "kvtier.policy.lifetable" in stale  # matched now, not compiled by that build
     assert "kvtier.policy.lifestates" not in stale  # excluded
     assert _native.Build.read(Path("/nonexistent/_native.json")) == _native.Build()
+
+
+def test_a_changed_kernel_source_makes_the_build_stale() -> None:
+    """The C kernels' sources are in the manifest too: an edit to one is caught as for a module."""
+    build = _native.Build(kernels={"kvtier.policy._lifescans": "0" * 64})
+    assert build.stale() == ["kvtier.policy._lifescans"]
+    built = _native.Build.read()
+    if built.modules and not _native.pure_requested():
+        from kvtier.policy import lifescans
+
+        assert "kvtier.policy._lifescans" in built.kernels
+        assert lifescans.KERNEL is not None  # the compiled build uses its kernel

@@ -1,0 +1,427 @@
+/* The life table's two scans in C: the smoothing of the hazards (with the local rates it pulls
+ * towards) and the density windows. kvtier/policy/lifescans.py holds the numpy form of each,
+ * which is the reference: these loops form every value with the same operands in the same order
+ * (the prefix compositions doubling as there, the local rates' lookup as np.interp does it over
+ * the states' columns laid end to end, from the same guess), so the results are the same to the
+ * bit. Built without contraction to fused multiply-adds (setup.py: -ffp-contract=off), which
+ * numpy's elementwise loops never form. tests/test_lifescans.py checks the two against each other.
+ *
+ * Arrays are float64, C-contiguous, bucket-major ([bucket, state]); the Python side checks the
+ * dtypes and shapes (lifescans.py) and this side checks them again (a clear error, never a read
+ * out of bounds). No state is kept; the GIL is held throughout (a scan takes tens of
+ * microseconds).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* A C-contiguous buffer of 8-byte items of one of the struct ``kinds`` ("d": float64, "lq":
+ * int64), of ``ndim`` dimensions, writable if asked. */
+static int
+get_array(PyObject *obj, Py_buffer *view, int ndim, int writable, const char *kinds,
+          const char *name)
+{
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0)
+        return -1;
+    const char *f = view->format == NULL ? "B" : view->format;
+    if (*f == '<' || *f == '=' || *f == '@')
+        f++;
+    if (view->ndim != ndim || view->itemsize != 8 || f[0] == '\0' || f[1] != '\0' ||
+        strchr(kinds, f[0]) == NULL) {
+        PyErr_Format(PyExc_ValueError, "%s: a C-contiguous %s array of %d dimensions", name,
+                     kinds[0] == 'd' ? "float64" : "int64", ndim);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* Release the first ``count`` of ``views``. */
+static void
+release(Py_buffer *views, int count)
+{
+    for (int i = 0; i < count; i++)
+        PyBuffer_Release(&views[i]);
+}
+
+/* np.interp's search: the index of the last ``arr[i] <= key`` (-1 below the first, ``len``
+ * above the last), trying the neighbours of ``guess`` first. The same comparisons in the same
+ * order as numpy's, so it answers the same even where ``arr`` is not sorted (exposure sums a
+ * rounding below zero). */
+#define IN_CACHE 8
+static Py_ssize_t
+search(double key, const double *arr, Py_ssize_t len, Py_ssize_t guess)
+{
+    Py_ssize_t lo = 0, hi = len;
+    if (key > arr[len - 1])
+        return len;
+    if (key < arr[0])
+        return -1;
+    if (len <= 4) {
+        Py_ssize_t i = 1;
+        while (i < len && key >= arr[i])
+            ++i;
+        return i - 1;
+    }
+    if (guess > len - 3)
+        guess = len - 3;
+    if (guess < 1)
+        guess = 1;
+    if (key < arr[guess]) {
+        if (key >= arr[guess - 1])
+            return guess - 1;
+        hi = guess - 1;
+        if (guess > IN_CACHE && key >= arr[guess - IN_CACHE])
+            lo = guess - IN_CACHE;
+    }
+    else {
+        if (key < arr[guess + 1])
+            return guess;
+        if (key < arr[guess + 2])
+            return guess + 1;
+        lo = guess + 2;
+        if (guess < len - IN_CACHE - 1 && key < arr[guess + IN_CACHE])
+            hi = guess + IN_CACHE;
+    }
+    while (lo < hi) {
+        Py_ssize_t mid = lo + ((hi - lo) >> 1);
+        if (key >= arr[mid])
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo - 1;
+}
+
+/* events[b, s] += pull_w * r[b, s]: r the local rates (lifescans._local_rates_bm) */
+static int
+add_local_rates(double *ev, const double *ex, const double *mean, Py_ssize_t k, Py_ssize_t n,
+                double window, double pull_w)
+{
+    Py_ssize_t rows = k + 1, len = rows * n;
+    /* state-major: exposure and events before each bucket (xc, ec), xc offset per state */
+    double *xc = malloc(sizeof(double) * (size_t)len * 3);
+    if (xc == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    double *ec = xc + len, *xp = ec + len;
+    double top = 0.0;
+    for (Py_ssize_t s = 0; s < n; s++) {
+        double *x = xc + s * rows, *e = ec + s * rows;
+        x[0] = 0.0;
+        e[0] = 0.0;
+        x[1] = ex[s];
+        e[1] = ev[s];
+        for (Py_ssize_t b = 1; b < k; b++) {
+            x[b + 1] = x[b] + ex[b * n + s];
+            e[b + 1] = e[b] + ev[b * n + s];
+        }
+        if (s == 0 || x[k] > top)
+            top = x[k];
+    }
+    double step = top + 1.0;
+    for (Py_ssize_t s = 0; s < n; s++) {
+        double off = step * (double)s;
+        for (Py_ssize_t j = 0; j < rows; j++)
+            xp[s * rows + j] = xc[s * rows + j] + off;
+    }
+    Py_ssize_t guess = 0;
+    for (Py_ssize_t s = 0; s < n; s++) {
+        double off = step * (double)s;
+        const double *x = xc + s * rows, *e = ec + s * rows;
+        for (Py_ssize_t b = 0; b < k; b++) {
+            double back = x[b] - window;
+            double key = (back > 0.0 ? back : 0.0) + off;
+            double at;
+            Py_ssize_t j = search(key, xp, len, guess);
+            if (j == -1)
+                at = ec[0];
+            else if (j == len || j == len - 1)
+                at = ec[len - 1];
+            else if (xp[j] == key)
+                at = ec[j];
+            else {
+                double slope = (ec[j + 1] - ec[j]) / (xp[j + 1] - xp[j]);
+                at = slope * (key - xp[j]) + ec[j];
+                if (at != at) {
+                    at = slope * (key - xp[j + 1]) + ec[j + 1];
+                    if (at != at && ec[j] == ec[j + 1])
+                        at = ec[j];
+                }
+            }
+            guess = j;
+            double r = e[b] - at;
+            double missing = -back;
+            r = r + (missing > 0.0 ? missing : 0.0) * mean[s];
+            r = r / window;
+            ev[b * n + s] = ev[b * n + s] + pull_w * r;
+        }
+    }
+    free(xc);
+    return 0;
+}
+
+/* The buffers of ``count`` objects into ``views`` (kinds[i]: 'd' float64, else int64); on
+ * failure releases those it got and returns -1. */
+static int
+get_all(PyObject **objs, Py_buffer *views, const char *const *names, const char *kinds,
+        const int *ndims, const int *writable, int count)
+{
+    for (int i = 0; i < count; i++) {
+        const char *kind = kinds[i] == 'd' ? "d" : "lq";
+        if (get_array(objs[i], &views[i], ndims[i], writable[i], kind, names[i]) < 0) {
+            release(views, i);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *
+exposure(PyObject *self, PyObject *args)
+{
+    PyObject *o[9];
+    if (!PyArg_ParseTuple(args, "OOOOOOOOO:exposure", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5],
+                          &o[6], &o[7], &o[8]))
+        return NULL;
+    static const char *const names[] = {"xd", "ev", "opened", "done", "openw", "tail", "f",
+                                        "expo", "events"};
+    static const int ndims[] = {2, 2, 1, 1, 2, 1, 1, 2, 2};
+    static const int writable[] = {0, 0, 0, 0, 0, 0, 0, 1, 1};
+    Py_buffer v[9];
+    if (get_all(o, v, names, "dddiddddd", ndims, writable, 9) < 0)
+        return NULL;
+    Py_ssize_t n = v[0].shape[0], k = v[0].shape[1] - 1, ring = v[3].shape[0];
+    PyObject *out = NULL;
+    double *tmp = NULL;
+    if (k < 1 || v[1].shape[0] != n || v[1].shape[1] != k || v[2].shape[0] != n ||
+        v[4].shape[0] != n || v[4].shape[1] != ring || v[5].shape[0] != n ||
+        v[6].shape[0] != k || v[7].shape[0] != k || v[7].shape[1] != n ||
+        v[8].shape[0] != k || v[8].shape[1] != n) {
+        PyErr_SetString(PyExc_ValueError, "exposure: xd [n, k + 1], ev [n, k], opened, tail "
+                        "[n], done [ring], openw [n, ring], f [k], expo and events [k, n]");
+        goto done;
+    }
+    const double *xd = v[0].buf, *ev = v[1].buf, *opened = v[2].buf, *openw = v[4].buf;
+    const double *tail = v[5].buf, *f = v[6].buf;
+    const int64_t *rows = v[3].buf;
+    double *expo = v[7].buf, *events = v[8].buf;
+    for (Py_ssize_t j = 0; j < ring; j++) {
+        if (rows[j] < 0 || rows[j] > k) {
+            PyErr_SetString(PyExc_ValueError, "exposure: done rows in 0 .. k");
+            goto done;
+        }
+    }
+    tmp = malloc(sizeof(double) * (size_t)(k + 1));
+    if (tmp == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t s = 0; s < n; s++) {
+        memcpy(tmp, xd + s * (k + 1), sizeof(double) * (size_t)(k + 1));
+        tmp[0] = tmp[0] + opened[s];
+        for (Py_ssize_t j = 0; j < ring; j++) /* in slot order, as np.subtract.at */
+            tmp[rows[j]] = tmp[rows[j]] - openw[s * ring + j];
+        double acc = tmp[0];
+        expo[s] = acc;
+        for (Py_ssize_t b = 1; b < k; b++) {
+            acc = acc + tmp[b];
+            expo[b * n + s] = acc;
+        }
+        expo[(k - 1) * n + s] = expo[(k - 1) * n + s] + tail[s];
+        for (Py_ssize_t b = 0; b < k; b++) {
+            expo[b * n + s] = expo[b * n + s] * f[b];
+            events[b * n + s] = ev[s * k + b] * f[b];
+        }
+    }
+    out = Py_NewRef(Py_None);
+done:
+    free(tmp);
+    release(v, 9);
+    return out;
+}
+
+static PyObject *
+smooth(PyObject *self, PyObject *args)
+{
+    PyObject *o[3];
+    double prior, pooled, pull, window;
+    if (!PyArg_ParseTuple(args, "OOOdddd:smooth", &o[0], &o[1], &o[2], &prior, &pooled, &pull,
+                          &window))
+        return NULL;
+    static const char *const names[] = {"events", "expo", "mean"};
+    static const int ndims[] = {2, 2, 1};
+    static const int writable[] = {1, 1, 0};
+    Py_buffer v[3];
+    if (get_all(o, v, names, "ddd", ndims, writable, 3) < 0)
+        return NULL;
+    Py_ssize_t k = v[0].shape[0], n = v[0].shape[1];
+    PyObject *out = NULL;
+    if (v[1].shape[0] != k || v[1].shape[1] != n || k < 1 ||
+        (pull > 0.0 && v[2].shape[0] != n)) {
+        PyErr_SetString(PyExc_ValueError, "smooth: events and expo [k, n], mean [n]");
+        goto done;
+    }
+    double *c = v[0].buf, *a = v[1].buf;
+    const double *mean = v[2].buf;
+    Py_ssize_t len = k * n;
+    if (pull > 0.0) {
+        double pull_w = prior * pull;
+        if (window > 0.0) {
+            if (add_local_rates(c, a, mean, k, n, window, pull_w) < 0)
+                goto done;
+        }
+        else {
+            for (Py_ssize_t b = 0; b < k; b++)
+                for (Py_ssize_t s = 0; s < n; s++)
+                    c[b * n + s] = c[b * n + s] + pull_w * mean[s];
+        }
+    }
+    double chain = prior * (1.0 - pull);
+    for (Py_ssize_t i = 0; i < len; i++) {
+        double x = a[i] + prior;
+        c[i] = c[i] / x;
+        a[i] = chain / x;
+    }
+    /* h[b] = a[b] h[b - 1] + c[b]: (a, c)[b] := (a, c)[b] after (a, c)[b - d], d doubling;
+     * rows from the last down, so row b - d is still the one before this step */
+    for (Py_ssize_t d = 1; d < k; d *= 2) {
+        for (Py_ssize_t b = k - 1; b >= d; b--) {
+            double *restrict cb = c + b * n, *restrict ab = a + b * n;
+            const double *restrict cp = c + (b - d) * n, *restrict ap = a + (b - d) * n;
+            for (Py_ssize_t s = 0; s < n; s++) {
+                cb[s] = cb[s] + ab[s] * cp[s];
+                ab[s] = ab[s] * ap[s];
+            }
+        }
+    }
+    for (Py_ssize_t i = 0; i < len; i++) {
+        double h = a[i] * pooled + c[i];
+        c[i] = h < 0.0 ? 0.0 : (h > 1.0 ? 1.0 : h);
+    }
+    out = Py_NewRef(Py_None);
+done:
+    release(v, 3);
+    return out;
+}
+
+static PyObject *
+windows(PyObject *self, PyObject *args)
+{
+    PyObject *o[3];
+    Py_ssize_t steps;
+    int finish;
+    if (!PyArg_ParseTuple(args, "OnOOp:windows", &o[0], &steps, &o[1], &o[2], &finish))
+        return NULL;
+    static const char *const names[] = {"h", "surv", "held"};
+    static const int ndims[] = {2, 2, 2};
+    static const int writable[] = {0, 1, 1};
+    Py_buffer v[3];
+    if (get_all(o, v, names, "ddd", ndims, writable, 3) < 0)
+        return NULL;
+    Py_ssize_t k = v[0].shape[0], n = v[0].shape[1];
+    PyObject *out = NULL;
+    if (k < 1 || v[1].shape[0] != k + 1 || v[1].shape[1] != n || v[2].shape[0] != k + 1 ||
+        v[2].shape[1] != n) {
+        PyErr_SetString(PyExc_ValueError, "windows: h [k, n], surv and held [k + 1, n]");
+        goto done;
+    }
+    const double *h = v[0].buf;
+    double *sv = v[1].buf, *hd = v[2].buf;
+    for (Py_ssize_t i = 0; i < k * n; i++)
+        sv[i] = 1.0 - h[i];
+    for (Py_ssize_t s = 0; s < n; s++)
+        sv[k * n + s] = sv[(k - 1) * n + s];
+    for (Py_ssize_t i = 0; i < (k + 1) * n; i++)
+        hd[i] = (1.0 + sv[i]) * 0.5;
+    /* windows of 2m from windows of m: row i takes row i + m as its later half (row k for
+     * windows past it); rows in increasing order, row k last, so each reads rows not yet
+     * doubled in this step */
+    for (Py_ssize_t m = 1; m < steps; m *= 2) {
+        Py_ssize_t j = k + 1 - m > 0 ? k + 1 - m : 0;
+        for (Py_ssize_t i = 0; i <= k; i++) {
+            Py_ssize_t later = i < j ? i + m : k;
+            double *si = sv + i * n, *hi = hd + i * n;
+            const double *sl = sv + later * n, *hl = hd + later * n;
+            for (Py_ssize_t s = 0; s < n; s++) {
+                double held = si[s] * hl[s] + hi[s];
+                si[s] = si[s] * sl[s];
+                hi[s] = held;
+            }
+        }
+    }
+    if (finish) { /* the density: the chance of a use within the window over the time held */
+        for (Py_ssize_t i = 0; i < k * n; i++)
+            sv[i] = (1.0 - sv[i]) / (hd[i] >= 1e-12 || hd[i] != hd[i] ? hd[i] : 1e-12);
+    }
+    out = Py_NewRef(Py_None);
+done:
+    release(v, 3);
+    return out;
+}
+
+static PyObject *
+running_min(PyObject *self, PyObject *args)
+{
+    PyObject *o[2];
+    if (!PyArg_ParseTuple(args, "OO:running_min", &o[0], &o[1]))
+        return NULL;
+    static const char *const names[] = {"dens", "out"};
+    static const int ndims[] = {2, 2};
+    static const int writable[] = {0, 1};
+    Py_buffer v[2];
+    if (get_all(o, v, names, "dd", ndims, writable, 2) < 0)
+        return NULL;
+    Py_ssize_t k = v[0].shape[0], n = v[0].shape[1];
+    PyObject *out = NULL;
+    if (k < 1 || v[1].shape[0] != n || v[1].shape[1] != k) {
+        PyErr_SetString(PyExc_ValueError, "running_min: dens [k, n], out [n, k]");
+        goto done;
+    }
+    const double *d = v[0].buf;
+    double *r = v[1].buf;
+    for (Py_ssize_t s = 0; s < n; s++) {
+        double low = d[s];
+        r[s * k] = low;
+        for (Py_ssize_t b = 1; b < k; b++) {
+            double x = d[b * n + s];
+            if (x < low || x != x)
+                low = x;
+            r[s * k + b] = low;
+        }
+    }
+    out = Py_NewRef(Py_None);
+done:
+    release(v, 2);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"exposure", exposure, METH_VARARGS,
+     "exposure(xd, ev, opened, done, openw, tail, f, expo, events): the weighted exposure and "
+     "events by [bucket, state] into expo and events (lifescans.exposure_bm)."},
+    {"smooth", smooth, METH_VARARGS,
+     "smooth(events, expo, mean, prior, pooled, mean_pull, window): the smoothed hazards into "
+     "events (bucket-major, in place; expo is overwritten); mean: each state's mean rate."},
+    {"windows", windows, METH_VARARGS,
+     "windows(h, steps, surv, held, finish): survival and expected time held over the next "
+     "steps buckets from each bucket, into surv and held ([k + 1, n]; rows 0 .. k - 1 are the "
+     "answer); with finish, surv's rows 0 .. k - 1 become the densities."},
+    {"running_min", running_min, METH_VARARGS,
+     "running_min(dens, out): out[s, b] = min(dens[0 .. b, s]) (dens [k, n], out [n, k])."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_lifescans",
+    "The life table's scans in C (kvtier/policy/lifescans.py is the reference).", -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__lifescans(void)
+{
+    return PyModule_Create(&module);
+}
