@@ -46,6 +46,36 @@ release(Py_buffer *views, int count)
         PyBuffer_Release(&views[i]);
 }
 
+/* The loops below are built twice where the compiler and the C library can pick at load time
+ * (GCC's target_clones, an ifunc): for AVX2 (4 doubles a step) and for the baseline (2).
+ * Neither contracts to fused multiply-adds (-ffp-contract=off; FMA is not in either target). */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+
+/* Scratch space kept between calls, grown as needed: the scans run under the GIL, one at a
+ * time, and a refit's few hundred KB allocated afresh each time may be mapped and faulted in
+ * anew. */
+static double *scratch = NULL;
+static size_t scratch_len = 0;
+
+static double *
+get_scratch(size_t len)
+{
+    if (len > scratch_len) {
+        double *grown = realloc(scratch, sizeof(double) * len);
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        scratch = grown;
+        scratch_len = len;
+    }
+    return scratch;
+}
+
 /* np.interp's search: the index of the last ``arr[i] <= key`` (-1 below the first, ``len``
  * above the last), trying the neighbours of ``guess`` first. The same comparisons in the same
  * order as numpy's, so it answers the same even where ``arr`` is not sorted (exposure sums a
@@ -96,71 +126,78 @@ search(double key, const double *arr, Py_ssize_t len, Py_ssize_t guess)
 }
 
 /* events[b, s] += pull_w * r[b, s]: r the local rates (lifescans._local_rates_bm) */
-static int
+VECTOR_CLONES static int
 add_local_rates(double *ev, const double *ex, const double *mean, Py_ssize_t k, Py_ssize_t n,
                 double window, double pull_w)
 {
     Py_ssize_t rows = k + 1, len = rows * n;
-    /* state-major: exposure and events before each bucket (xc, ec), xc offset per state */
-    double *xc = malloc(sizeof(double) * (size_t)len * 3);
-    if (xc == NULL) {
-        PyErr_NoMemory();
+    /* exposure and events in the buckets before each (xc, ec), summed a row at a time (no
+     * chain of dependent additions per state); then state-major, exposure offset per state,
+     * for the lookup (xp, es) */
+    double *xc = get_scratch((size_t)len * 5);
+    if (xc == NULL)
         return -1;
-    }
-    double *ec = xc + len, *xp = ec + len;
-    double top = 0.0;
+    double *ec = xc + len, *xp = ec + len, *es = xp + len, *rate = es + len;
     for (Py_ssize_t s = 0; s < n; s++) {
-        double *x = xc + s * rows, *e = ec + s * rows;
-        x[0] = 0.0;
-        e[0] = 0.0;
-        x[1] = ex[s];
-        e[1] = ev[s];
-        for (Py_ssize_t b = 1; b < k; b++) {
-            x[b + 1] = x[b] + ex[b * n + s];
-            e[b + 1] = e[b] + ev[b * n + s];
-        }
-        if (s == 0 || x[k] > top)
-            top = x[k];
+        xc[s] = 0.0;
+        ec[s] = 0.0;
+        xc[n + s] = ex[s];
+        ec[n + s] = ev[s];
     }
+    for (Py_ssize_t b = 1; b < k; b++) {
+        const double *restrict xr = xc + b * n, *restrict er = ec + b * n;
+        const double *restrict xa = ex + b * n, *restrict ea = ev + b * n;
+        double *restrict xw = xc + (b + 1) * n, *restrict ew = ec + (b + 1) * n;
+        for (Py_ssize_t s = 0; s < n; s++) {
+            xw[s] = xr[s] + xa[s];
+            ew[s] = er[s] + ea[s];
+        }
+    }
+    double top = xc[k * n];
+    for (Py_ssize_t s = 1; s < n; s++)
+        if (xc[k * n + s] > top)
+            top = xc[k * n + s];
     double step = top + 1.0;
     for (Py_ssize_t s = 0; s < n; s++) {
         double off = step * (double)s;
-        for (Py_ssize_t j = 0; j < rows; j++)
-            xp[s * rows + j] = xc[s * rows + j] + off;
+        for (Py_ssize_t j = 0; j < rows; j++) {
+            xp[s * rows + j] = xc[j * n + s] + off;
+            es[s * rows + j] = ec[j * n + s];
+        }
     }
     Py_ssize_t guess = 0;
     for (Py_ssize_t s = 0; s < n; s++) {
         double off = step * (double)s;
-        const double *x = xc + s * rows, *e = ec + s * rows;
+        const double *x = xc + s, *e = es + s * rows;
         for (Py_ssize_t b = 0; b < k; b++) {
-            double back = x[b] - window;
+            double back = x[b * n] - window;
             double key = (back > 0.0 ? back : 0.0) + off;
             double at;
             Py_ssize_t j = search(key, xp, len, guess);
             if (j == -1)
-                at = ec[0];
+                at = es[0];
             else if (j == len || j == len - 1)
-                at = ec[len - 1];
+                at = es[len - 1];
             else if (xp[j] == key)
-                at = ec[j];
+                at = es[j];
             else {
-                double slope = (ec[j + 1] - ec[j]) / (xp[j + 1] - xp[j]);
-                at = slope * (key - xp[j]) + ec[j];
+                double slope = (es[j + 1] - es[j]) / (xp[j + 1] - xp[j]);
+                at = slope * (key - xp[j]) + es[j];
                 if (at != at) {
-                    at = slope * (key - xp[j + 1]) + ec[j + 1];
-                    if (at != at && ec[j] == ec[j + 1])
-                        at = ec[j];
+                    at = slope * (key - xp[j + 1]) + es[j + 1];
+                    if (at != at && es[j] == es[j + 1])
+                        at = es[j];
                 }
             }
             guess = j;
-            double r = e[b] - at;
             double missing = -back;
-            r = r + (missing > 0.0 ? missing : 0.0) * mean[s];
-            r = r / window;
-            ev[b * n + s] = ev[b * n + s] + pull_w * r;
+            rate[b * n + s] = (e[b] - at) + (missing > 0.0 ? missing : 0.0) * mean[s];
         }
     }
-    free(xc);
+    /* the divisions by the window in a pass of their own (vectorised: a division's latency
+     * kept off the lookup's loop) */
+    for (Py_ssize_t i = 0; i < k * n; i++)
+        ev[i] = ev[i] + pull_w * (rate[i] / window);
     return 0;
 }
 
@@ -180,6 +217,19 @@ get_all(PyObject **objs, Py_buffer *views, const char *const *names, const char 
     return 0;
 }
 
+/* out[b] = in[0] + ... + in[b], for rows b < k of bucket-major ``in`` (np.cumsum's order). */
+VECTOR_CLONES static void
+accumulate(const double *in, double *out, Py_ssize_t k, Py_ssize_t n)
+{
+    memcpy(out, in, sizeof(double) * (size_t)n);
+    for (Py_ssize_t b = 1; b < k; b++) {
+        const double *restrict prev = out + (b - 1) * n, *restrict add = in + b * n;
+        double *restrict row = out + b * n;
+        for (Py_ssize_t s = 0; s < n; s++)
+            row[s] = prev[s] + add[s];
+    }
+}
+
 static PyObject *
 exposure(PyObject *self, PyObject *args)
 {
@@ -196,7 +246,6 @@ exposure(PyObject *self, PyObject *args)
         return NULL;
     Py_ssize_t n = v[0].shape[0], k = v[0].shape[1] - 1, ring = v[3].shape[0];
     PyObject *out = NULL;
-    double *tmp = NULL;
     if (k < 1 || v[1].shape[0] != n || v[1].shape[1] != k || v[2].shape[0] != n ||
         v[4].shape[0] != n || v[4].shape[1] != ring || v[5].shape[0] != n ||
         v[6].shape[0] != k || v[7].shape[0] != k || v[7].shape[1] != n ||
@@ -215,33 +264,51 @@ exposure(PyObject *self, PyObject *args)
             goto done;
         }
     }
-    tmp = malloc(sizeof(double) * (size_t)(k + 1));
-    if (tmp == NULL) {
-        PyErr_NoMemory();
+    /* the differences bucket-major ([k + 1, n]), summed a row at a time (no chain of
+     * dependent additions per state) */
+    double *diff = get_scratch((size_t)((k + 1) * n));
+    if (diff == NULL)
         goto done;
+    for (Py_ssize_t s = 0; s < n; s++)
+        for (Py_ssize_t b = 0; b <= k; b++)
+            diff[b * n + s] = xd[s * (k + 1) + b];
+    for (Py_ssize_t s = 0; s < n; s++)
+        diff[s] = diff[s] + opened[s];
+    for (Py_ssize_t j = 0; j < ring; j++) { /* in slot order, as np.subtract.at */
+        double *row = diff + rows[j] * n;
+        for (Py_ssize_t s = 0; s < n; s++)
+            row[s] = row[s] - openw[s * ring + j];
     }
-    for (Py_ssize_t s = 0; s < n; s++) {
-        memcpy(tmp, xd + s * (k + 1), sizeof(double) * (size_t)(k + 1));
-        tmp[0] = tmp[0] + opened[s];
-        for (Py_ssize_t j = 0; j < ring; j++) /* in slot order, as np.subtract.at */
-            tmp[rows[j]] = tmp[rows[j]] - openw[s * ring + j];
-        double acc = tmp[0];
-        expo[s] = acc;
-        for (Py_ssize_t b = 1; b < k; b++) {
-            acc = acc + tmp[b];
-            expo[b * n + s] = acc;
-        }
+    accumulate(diff, expo, k, n);
+    for (Py_ssize_t s = 0; s < n; s++)
         expo[(k - 1) * n + s] = expo[(k - 1) * n + s] + tail[s];
-        for (Py_ssize_t b = 0; b < k; b++) {
+    for (Py_ssize_t b = 0; b < k; b++) {
+        for (Py_ssize_t s = 0; s < n; s++) {
             expo[b * n + s] = expo[b * n + s] * f[b];
             events[b * n + s] = ev[s * k + b] * f[b];
         }
     }
     out = Py_NewRef(Py_None);
 done:
-    free(tmp);
     release(v, 9);
     return out;
+}
+
+/* h[b] = a[b] h[b - 1] + c[b] for all b at once: (a, c)[b] := (a, c)[b] after (a, c)[b - d],
+ * d doubling; rows from the last down, so row b - d is still the one before this step. */
+VECTOR_CLONES static void
+compose(double *c, double *a, Py_ssize_t k, Py_ssize_t n)
+{
+    for (Py_ssize_t d = 1; d < k; d *= 2) {
+        for (Py_ssize_t b = k - 1; b >= d; b--) {
+            double *restrict cb = c + b * n, *restrict ab = a + b * n;
+            const double *restrict cp = c + (b - d) * n, *restrict ap = a + (b - d) * n;
+            for (Py_ssize_t s = 0; s < n; s++) {
+                cb[s] = cb[s] + ab[s] * cp[s];
+                ab[s] = ab[s] * ap[s];
+            }
+        }
+    }
 }
 
 static PyObject *
@@ -286,18 +353,7 @@ smooth(PyObject *self, PyObject *args)
         c[i] = c[i] / x;
         a[i] = chain / x;
     }
-    /* h[b] = a[b] h[b - 1] + c[b]: (a, c)[b] := (a, c)[b] after (a, c)[b - d], d doubling;
-     * rows from the last down, so row b - d is still the one before this step */
-    for (Py_ssize_t d = 1; d < k; d *= 2) {
-        for (Py_ssize_t b = k - 1; b >= d; b--) {
-            double *restrict cb = c + b * n, *restrict ab = a + b * n;
-            const double *restrict cp = c + (b - d) * n, *restrict ap = a + (b - d) * n;
-            for (Py_ssize_t s = 0; s < n; s++) {
-                cb[s] = cb[s] + ab[s] * cp[s];
-                ab[s] = ab[s] * ap[s];
-            }
-        }
-    }
+    compose(c, a, k, n);
     for (Py_ssize_t i = 0; i < len; i++) {
         double h = a[i] * pooled + c[i];
         c[i] = h < 0.0 ? 0.0 : (h > 1.0 ? 1.0 : h);
@@ -306,6 +362,27 @@ smooth(PyObject *self, PyObject *args)
 done:
     release(v, 3);
     return out;
+}
+
+/* Windows of 2m buckets from windows of m, until ``steps``: row i takes row i + m as its later
+ * half (row k for windows past it); rows in increasing order, row k last, so each reads rows
+ * not yet doubled in this step. */
+VECTOR_CLONES static void
+double_windows(double *sv, double *hd, Py_ssize_t k, Py_ssize_t n, Py_ssize_t steps)
+{
+    for (Py_ssize_t m = 1; m < steps; m *= 2) {
+        Py_ssize_t j = k + 1 - m > 0 ? k + 1 - m : 0;
+        for (Py_ssize_t i = 0; i <= k; i++) {
+            Py_ssize_t later = i < j ? i + m : k;
+            double *si = sv + i * n, *hi = hd + i * n;
+            const double *sl = sv + later * n, *hl = hd + later * n;
+            for (Py_ssize_t s = 0; s < n; s++) {
+                double held = si[s] * hl[s] + hi[s];
+                si[s] = si[s] * sl[s];
+                hi[s] = held;
+            }
+        }
+    }
 }
 
 static PyObject *
@@ -337,22 +414,7 @@ windows(PyObject *self, PyObject *args)
         sv[k * n + s] = sv[(k - 1) * n + s];
     for (Py_ssize_t i = 0; i < (k + 1) * n; i++)
         hd[i] = (1.0 + sv[i]) * 0.5;
-    /* windows of 2m from windows of m: row i takes row i + m as its later half (row k for
-     * windows past it); rows in increasing order, row k last, so each reads rows not yet
-     * doubled in this step */
-    for (Py_ssize_t m = 1; m < steps; m *= 2) {
-        Py_ssize_t j = k + 1 - m > 0 ? k + 1 - m : 0;
-        for (Py_ssize_t i = 0; i <= k; i++) {
-            Py_ssize_t later = i < j ? i + m : k;
-            double *si = sv + i * n, *hi = hd + i * n;
-            const double *sl = sv + later * n, *hl = hd + later * n;
-            for (Py_ssize_t s = 0; s < n; s++) {
-                double held = si[s] * hl[s] + hi[s];
-                si[s] = si[s] * sl[s];
-                hi[s] = held;
-            }
-        }
-    }
+    double_windows(sv, hd, k, n, steps);
     if (finish) { /* the density: the chance of a use within the window over the time held */
         for (Py_ssize_t i = 0; i < k * n; i++)
             sv[i] = (1.0 - sv[i]) / (hd[i] >= 1e-12 || hd[i] != hd[i] ? hd[i] : 1e-12);
