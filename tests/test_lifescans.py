@@ -128,3 +128,19 @@ def test_the_kernel_rejects_arrays_it_cannot_read(kernel: ModuleType) -> None:
     args[3] = np.array([0.0, 1.0])
     with pytest.raises(ValueError, match="int64"):
         kernel.exposure(*args, *out)
+
+
+def test_retiring_a_ring_slot_is_numpys_to_the_bit(
+    kernel: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = np.random.default_rng(5)
+    open_, old, old_sb = rng.random((40, 17)), rng.random(40), rng.normal(size=40) * 1e3
+    got = []
+    for use in (None, kernel):
+        _use(use, monkeypatch)
+        arrays = [open_.copy(), old.copy(), old_sb.copy()]
+        lifescans.retire_slot(*arrays, 5, -12.0)
+        got.append(arrays)
+    for a, b in zip(*got, strict=True):
+        assert np.array_equal(a, b)
+    assert not got[1][0][:, 5].any() and np.array_equal(got[1][0][:, 4], open_[:, 4])

@@ -461,7 +461,43 @@ done:
     return out;
 }
 
+static PyObject *
+retire(PyObject *self, PyObject *args)
+{
+    PyObject *o[3];
+    Py_ssize_t slot;
+    double start;
+    if (!PyArg_ParseTuple(args, "OOOnd:retire", &o[0], &o[1], &o[2], &slot, &start))
+        return NULL;
+    static const char *const names[] = {"open", "old", "old_sb"};
+    static const int ndims[] = {2, 1, 1};
+    static const int writable[] = {1, 1, 1};
+    Py_buffer v[3];
+    if (get_all(o, v, names, "ddd", ndims, writable, 3) < 0)
+        return NULL;
+    Py_ssize_t rows = v[0].shape[0], ring = v[0].shape[1];
+    PyObject *out = NULL;
+    if (v[1].shape[0] != rows || v[2].shape[0] != rows || slot < 0 || slot >= ring) {
+        PyErr_SetString(PyExc_ValueError, "retire: open [n, ring], old and old_sb [n], a slot");
+        goto done;
+    }
+    double *op = v[0].buf, *old = v[1].buf, *old_sb = v[2].buf;
+    for (Py_ssize_t s = 0; s < rows; s++) {
+        double c = op[s * ring + slot];
+        old[s] = old[s] + (c + 0.0);
+        old_sb[s] = old_sb[s] + (c * start + 0.0);
+        op[s * ring + slot] = 0.0;
+    }
+    out = Py_NewRef(Py_None);
+done:
+    release(v, 3);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"retire", retire, METH_VARARGS,
+     "retire(open, old, old_sb, slot, start): the open lives of ring slot ``slot`` (start "
+     "bucket ``start``) into the old pool (lifescans.retire_slot)."},
     {"exposure", exposure, METH_VARARGS,
      "exposure(xd, ev, opened, done, openw, tail, f, expo, events): the weighted exposure and "
      "events by [bucket, state] into expo and events (lifescans.exposure_bm)."},

@@ -62,6 +62,25 @@ def exposure_bm(
     return expo, events
 
 
+def retire_slot(
+    open_: npt.NDArray[np.float64],
+    old: npt.NDArray[np.float64],
+    old_sb: npt.NDArray[np.float64],
+    slot: int,
+    start: float,
+) -> None:
+    """Move the open lives of ring ``slot`` (``open_[:, slot]``, start bucket ``start``) into
+    the old pool: ``old += them``, ``old_sb += them x start``, the slot emptied (the sum and
+    product of ``LifeTable.tick``'s general case, for one column)."""
+    if KERNEL is None:
+        col = open_[:, slot]
+        old += col + 0.0
+        old_sb += col * start + 0.0
+        col[:] = 0.0
+    else:
+        KERNEL.retire(open_, old, old_sb, slot, start)
+
+
 def smoothed_bm(
     events: npt.NDArray[np.float64],
     expo: npt.NDArray[np.float64],

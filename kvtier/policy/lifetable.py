@@ -45,7 +45,13 @@ import math
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.policy.lifescans import densities_bm, exposure_bm, running_min, smoothed_bm
+from kvtier.policy.lifescans import (
+    densities_bm,
+    exposure_bm,
+    retire_slot,
+    running_min,
+    smoothed_bm,
+)
 
 
 class LifeTable:
@@ -156,10 +162,7 @@ class LifeTable:
         # slot sb % ring held start bucket sb - ring until now: those lives are old
         if b == self._cur + 1:  # one slot: the general case's sum and product of one column
             # are 0 + it and 0 + it x (sb - ring), formed here without the fancy indexing
-            col = self._open[:, b % ring]
-            self._old += col + 0.0
-            self._old_sb += col * float(b - ring) + 0.0
-            col[:] = 0.0
+            retire_slot(self._open, self._old, self._old_sb, b % ring, float(b - ring))
         else:
             sbs = np.arange(max(self._cur + 1, b - ring + 1), b + 1)
             slots = sbs % ring
