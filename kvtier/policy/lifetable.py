@@ -278,7 +278,8 @@ class DensityTable:
     """A ``LifeTable`` at the scale of ``blocks`` blocks, as a policy ranks by it: refit every
     ``refit_buckets`` age buckets of the clock (at least every ``min_refit`` of it), with its
     densities made non-increasing in age (the running minimum) and flat (``dens[s * buckets +
-    bucket]``, for hot loops). ``epoch`` moves whenever the age buckets or densities moved."""
+    bucket]``, for hot loops), and tilted towards recency if asked (``tilt``). ``epoch`` moves
+    whenever the age buckets or densities moved."""
 
     def __init__(
         self,
@@ -313,6 +314,20 @@ class DensityTable:
         self.next_refit = self._every  # the clock at which the next refit is due
         self.array = np.zeros((0, self.buckets))
         self.dens: memoryview[float] = flat_view(self.array)
+        self.blocks = blocks
+        #: per age bucket, the factor the densities are ranked at (``tilt``); None: 1
+        self.recency: npt.NDArray[np.float64] | None = None
+
+    def tilt(self, strength: float) -> None:
+        """From now on rank by the densities times ``exp(-strength x age / blocks)`` (ages at
+        their buckets' middles), these and every refit's: a prior towards recency order, for a
+        table that learns from few lives (``kvtier.policy.fallback``). Still non-increasing in
+        age. Call ``epoch``'s users' repricing after it (the densities moved)."""
+        ages = (np.arange(self.buckets) + 0.5) * self.width / self.blocks
+        self.recency = np.exp(-strength * ages)
+        self.array = self.array * self.recency
+        self.dens = flat_view(self.array)
+        self.epoch += 1
 
     def grow(self, states: int) -> None:
         """Room for states ``0 .. states - 1`` (table rows and densities)."""
@@ -330,6 +345,8 @@ class DensityTable:
             self.table.refit(now)
             self.next_refit = now + self._every
             self.array = running_min(self.table.density.T)
+            if self.recency is not None:
+                self.array *= self.recency
             self.dens = flat_view(self.array)
             moved = True
         if moved:
