@@ -274,10 +274,10 @@ exposure(PyObject *self, PyObject *args)
             diff[b * n + s] = xd[s * (k + 1) + b];
     for (Py_ssize_t s = 0; s < n; s++)
         diff[s] = diff[s] + opened[s];
-    for (Py_ssize_t j = 0; j < ring; j++) { /* in slot order, as np.subtract.at */
-        double *row = diff + rows[j] * n;
-        for (Py_ssize_t s = 0; s < n; s++)
-            row[s] = row[s] - openw[s * ring + j];
+    for (Py_ssize_t s = 0; s < n; s++) { /* each element in slot order, as np.subtract.at */
+        const double *w = openw + s * ring;
+        for (Py_ssize_t j = 0; j < ring; j++)
+            diff[rows[j] * n + s] = diff[rows[j] * n + s] - w[j];
     }
     accumulate(diff, expo, k, n);
     for (Py_ssize_t s = 0; s < n; s++)
@@ -294,11 +294,21 @@ done:
     return out;
 }
 
-/* h[b] = a[b] h[b - 1] + c[b] for all b at once: (a, c)[b] := (a, c)[b] after (a, c)[b - d],
- * d doubling; rows from the last down, so row b - d is still the one before this step. */
+/* The smoothed hazards into c, from the events pulled towards their targets (c) and the
+ * exposure (a): h[b] = a[b] h[b - 1] + c[b] with a = chain / (exposure + prior) and c = events
+ * / (exposure + prior), for all b at once: (a, c)[b] := (a, c)[b] after (a, c)[b - d], d
+ * doubling (rows from the last down, so row b - d is still the one before this step); then
+ * h = a x pooled + c, clipped to [0, 1]. */
 VECTOR_CLONES static void
-compose(double *c, double *a, Py_ssize_t k, Py_ssize_t n)
+smooth_scan(double *c, double *a, Py_ssize_t k, Py_ssize_t n, double prior, double chain,
+            double pooled)
 {
+    Py_ssize_t len = k * n;
+    for (Py_ssize_t i = 0; i < len; i++) {
+        double x = a[i] + prior;
+        c[i] = c[i] / x;
+        a[i] = chain / x;
+    }
     for (Py_ssize_t d = 1; d < k; d *= 2) {
         for (Py_ssize_t b = k - 1; b >= d; b--) {
             double *restrict cb = c + b * n, *restrict ab = a + b * n;
@@ -308,6 +318,10 @@ compose(double *c, double *a, Py_ssize_t k, Py_ssize_t n)
                 ab[s] = ab[s] * ap[s];
             }
         }
+    }
+    for (Py_ssize_t i = 0; i < len; i++) {
+        double h = a[i] * pooled + c[i];
+        c[i] = h < 0.0 ? 0.0 : (h > 1.0 ? 1.0 : h);
     }
 }
 
@@ -334,7 +348,6 @@ smooth(PyObject *self, PyObject *args)
     }
     double *c = v[0].buf, *a = v[1].buf;
     const double *mean = v[2].buf;
-    Py_ssize_t len = k * n;
     if (pull > 0.0) {
         double pull_w = prior * pull;
         if (window > 0.0) {
@@ -347,29 +360,29 @@ smooth(PyObject *self, PyObject *args)
                     c[b * n + s] = c[b * n + s] + pull_w * mean[s];
         }
     }
-    double chain = prior * (1.0 - pull);
-    for (Py_ssize_t i = 0; i < len; i++) {
-        double x = a[i] + prior;
-        c[i] = c[i] / x;
-        a[i] = chain / x;
-    }
-    compose(c, a, k, n);
-    for (Py_ssize_t i = 0; i < len; i++) {
-        double h = a[i] * pooled + c[i];
-        c[i] = h < 0.0 ? 0.0 : (h > 1.0 ? 1.0 : h);
-    }
+    smooth_scan(c, a, k, n, prior, prior * (1.0 - pull), pooled);
     out = Py_NewRef(Py_None);
 done:
     release(v, 3);
     return out;
 }
 
-/* Windows of 2m buckets from windows of m, until ``steps``: row i takes row i + m as its later
- * half (row k for windows past it); rows in increasing order, row k last, so each reads rows
- * not yet doubled in this step. */
+/* Survival (sv) and expected time held (hd) over the next ``steps`` buckets from each bucket
+ * (rows 0 .. k - 1; row k: every window from the last bucket on). Windows of 2m buckets from
+ * windows of m: row i takes row i + m as its later half (row k for windows past it); rows in
+ * increasing order, row k last, so each reads rows not yet doubled in this step. With
+ * ``finish``, sv's rows 0 .. k - 1 become the densities: the chance of a use within the window
+ * over the time held. */
 VECTOR_CLONES static void
-double_windows(double *sv, double *hd, Py_ssize_t k, Py_ssize_t n, Py_ssize_t steps)
+window_scan(const double *h, double *sv, double *hd, Py_ssize_t k, Py_ssize_t n,
+            Py_ssize_t steps, int finish)
 {
+    for (Py_ssize_t i = 0; i < k * n; i++)
+        sv[i] = 1.0 - h[i];
+    for (Py_ssize_t s = 0; s < n; s++)
+        sv[k * n + s] = sv[(k - 1) * n + s];
+    for (Py_ssize_t i = 0; i < (k + 1) * n; i++)
+        hd[i] = (1.0 + sv[i]) * 0.5;
     for (Py_ssize_t m = 1; m < steps; m *= 2) {
         Py_ssize_t j = k + 1 - m > 0 ? k + 1 - m : 0;
         for (Py_ssize_t i = 0; i <= k; i++) {
@@ -382,6 +395,10 @@ double_windows(double *sv, double *hd, Py_ssize_t k, Py_ssize_t n, Py_ssize_t st
                 hi[s] = held;
             }
         }
+    }
+    if (finish) {
+        for (Py_ssize_t i = 0; i < k * n; i++)
+            sv[i] = (1.0 - sv[i]) / (hd[i] >= 1e-12 || hd[i] != hd[i] ? hd[i] : 1e-12);
     }
 }
 
@@ -406,19 +423,7 @@ windows(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "windows: h [k, n], surv and held [k + 1, n]");
         goto done;
     }
-    const double *h = v[0].buf;
-    double *sv = v[1].buf, *hd = v[2].buf;
-    for (Py_ssize_t i = 0; i < k * n; i++)
-        sv[i] = 1.0 - h[i];
-    for (Py_ssize_t s = 0; s < n; s++)
-        sv[k * n + s] = sv[(k - 1) * n + s];
-    for (Py_ssize_t i = 0; i < (k + 1) * n; i++)
-        hd[i] = (1.0 + sv[i]) * 0.5;
-    double_windows(sv, hd, k, n, steps);
-    if (finish) { /* the density: the chance of a use within the window over the time held */
-        for (Py_ssize_t i = 0; i < k * n; i++)
-            sv[i] = (1.0 - sv[i]) / (hd[i] >= 1e-12 || hd[i] != hd[i] ? hd[i] : 1e-12);
-    }
+    window_scan(v[0].buf, v[1].buf, v[2].buf, k, n, steps, finish);
     out = Py_NewRef(Py_None);
 done:
     release(v, 3);
