@@ -15,6 +15,7 @@ contiguous rows.
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
 
 import numpy as np
@@ -24,15 +25,15 @@ from kvtier import _native
 
 
 def _kernel() -> ModuleType | None:
-    """The C scans when the compiled build is in use and has them (an install without a C
-    compiler has neither), else None."""
+    """The C scans (``_lifescans``: its functions' docstrings give their arguments) when the
+    compiled build is in use and has them (an install without a C compiler has neither), else
+    None."""
     if not _native.compiled():
         return None
     try:
-        from kvtier.policy import _lifescans
+        return importlib.import_module("kvtier.policy._lifescans")
     except ImportError:
         return None
-    return _lifescans
 
 
 KERNEL = _kernel()
