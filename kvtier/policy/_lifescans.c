@@ -1,15 +1,16 @@
-/* The life table's two scans in C: the smoothing of the hazards (with the local rates it pulls
- * towards) and the density windows. kvtier/policy/lifescans.py holds the numpy form of each,
- * which is the reference: these loops form every value with the same operands in the same order
- * (the prefix compositions doubling as there, the local rates' lookup as np.interp does it over
- * the states' columns laid end to end, from the same guess), so the results are the same to the
- * bit. Built without contraction to fused multiply-adds (setup.py: -ffp-contract=off), which
- * numpy's elementwise loops never form. tests/test_lifescans.py checks the two against each other.
+/* The life table's loops in C: the exposure sums, the smoothing of the hazards (with the local
+ * rates it pulls towards), the density windows, the running minimum and the retiring of a ring
+ * slot. kvtier/policy/lifescans.py holds the numpy form of each, which is the reference: these
+ * loops form every value with the same operands in the same order (the prefix compositions
+ * doubling as there, the local rates' lookup as np.interp does it over the states' columns laid
+ * end to end, from the same guess), so the results are the same to the bit. Built without
+ * contraction to fused multiply-adds (setup.py: -ffp-contract=off), which numpy's elementwise
+ * loops never form. tests/test_lifescans.py checks the two against each other.
  *
- * Arrays are float64, C-contiguous, bucket-major ([bucket, state]); the Python side checks the
- * dtypes and shapes (lifescans.py) and this side checks them again (a clear error, never a read
- * out of bounds). No state is kept; the GIL is held throughout (a scan takes tens of
- * microseconds).
+ * Arrays are float64 (the ring rows int64), C-contiguous, bucket-major ([bucket, state]) but
+ * where named otherwise; the Python side makes them so (lifescans.py) and this side checks them
+ * again (a clear error, never a read out of bounds). The only state kept is a scratch buffer;
+ * the GIL is held throughout (a call takes tens of microseconds), so calls never overlap.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
