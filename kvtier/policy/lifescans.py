@@ -41,6 +41,7 @@ def _kernel() -> ModuleType | None:
 
 
 KERNEL = _kernel()
+_NO_MEAN = np.zeros(0)  # the kernel's mean when there is no pull
 
 
 def exposure_bm(
@@ -60,10 +61,17 @@ def exposure_bm(
     events. Returns new C-contiguous ``(expo, events)``, each ``[k, n]``."""
     n, k = ev.shape
     expo, events = np.empty((k, n)), np.empty((k, n))
-    if KERNEL is None:
-        _exposure_np(xd, ev, opened, done, openw, tail, f, expo, events)
-    else:
+    if KERNEL is not None:
         KERNEL.exposure(xd, ev, opened, done, openw, tail, f, expo, events)
+        return expo, events
+    diff = xd.T.copy()  # [k + 1, n]
+    diff[0] += opened
+    _subtract_at(diff, done, openw)
+    np.cumsum(diff[:k], axis=0, out=expo)
+    expo[k - 1] += tail
+    fc = f[:, None]
+    expo *= fc
+    np.multiply(ev.T, fc, out=events)
     return expo, events
 
 
@@ -107,9 +115,30 @@ def smoothed_bm(
     first form, the state's mean over all ages, is dominated by the young ages where most uses
     and lives are: a state whose hazard falls with age came back to it at every thin old age,
     and near a trace's top the blocks that were never coming back outranked young ones.)"""
-    if KERNEL is None:
-        return _smoothed_np(events, expo, prior, pooled, mean_pull, family, window)
-    return _smoothed_c(events, expo, prior, pooled, mean_pull, family, window)
+    mean = state_means(events, expo, prior, family) if mean_pull > 0.0 else _NO_MEAN
+    if KERNEL is not None:
+        KERNEL.smooth(events, expo, mean, prior, pooled, mean_pull, window)
+        return events
+    # numpy: the recurrence is affine in h[b - 1], so it is a prefix composition of affine maps,
+    # computed in log2(buckets) steps
+    k = events.shape[0]
+    if mean_pull > 0.0:
+        events += (prior * mean_pull) * _local_rates_bm(events, expo, mean, window)
+    expo += prior
+    c = np.divide(events, expo, out=events)  # h[b] = a[b] * h[b - 1] + c[b]
+    a = np.divide(prior * (1.0 - mean_pull), expo, out=expo)
+    na = np.empty_like(a)  # the next a (written beside a: no copy of it)
+    d = 1
+    while d < k:  # (a, c)[b] := (a, c)[b] after (a, c)[b - d]: maps over 2d buckets
+        c[d:] += np.multiply(a[d:], c[:-d], out=na[d:])
+        np.multiply(a[d:], a[:-d], out=na[d:])
+        na[:d] = a[:d]
+        a, na = na, a
+        d *= 2
+    np.multiply(a, pooled, out=a)
+    a += c
+    h: npt.NDArray[np.float64] = np.clip(a, 0.0, 1.0, out=a)
+    return h
 
 
 def windows_bm(
@@ -172,49 +201,7 @@ def state_means(
     return alone
 
 
-# -- C ------------------------------------------------------------------------------------------
-def _smoothed_c(
-    events: npt.NDArray[np.float64],
-    expo: npt.NDArray[np.float64],
-    prior: float,
-    pooled: float,
-    mean_pull: float,
-    family: npt.NDArray[np.int64] | None,
-    window: float,
-) -> npt.NDArray[np.float64]:
-    assert KERNEL is not None
-    mean = state_means(events, expo, prior, family) if mean_pull > 0.0 else _NO_MEAN
-    KERNEL.smooth(events, expo, mean, prior, pooled, mean_pull, window)
-    return events
-
-
-_NO_MEAN = np.zeros(0)
-
-
 # -- numpy --------------------------------------------------------------------------------------
-def _exposure_np(
-    xd: npt.NDArray[np.float64],
-    ev: npt.NDArray[np.float64],
-    opened: npt.NDArray[np.float64],
-    done: npt.NDArray[np.int64],
-    openw: npt.NDArray[np.float64],
-    tail: npt.NDArray[np.float64],
-    f: npt.NDArray[np.float64],
-    expo: npt.NDArray[np.float64],
-    events: npt.NDArray[np.float64],
-) -> None:
-    """``exposure_bm`` in numpy, into ``expo`` and ``events``."""
-    k = ev.shape[1]
-    diff = xd.T.copy()  # [k + 1, n]
-    diff[0] += opened
-    _subtract_at(diff, done, openw)
-    np.cumsum(diff[:k], axis=0, out=expo)
-    expo[k - 1] += tail
-    fc = f[:, None]
-    expo *= fc
-    np.multiply(ev.T, fc, out=events)
-
-
 def _subtract_at(
     xd: npt.NDArray[np.float64], rows: npt.NDArray[np.int64], w: npt.NDArray[np.float64]
 ) -> None:
@@ -228,38 +215,6 @@ def _subtract_at(
     xd[rows[once]] -= w[:, once].T
     for j in np.flatnonzero(~once).tolist():
         xd[rows[j]] -= w[:, j]
-
-
-def _smoothed_np(
-    events: npt.NDArray[np.float64],
-    expo: npt.NDArray[np.float64],
-    prior: float,
-    pooled: float,
-    mean_pull: float = 0.0,
-    family: npt.NDArray[np.int64] | None = None,
-    window: float = 0.0,
-) -> npt.NDArray[np.float64]:
-    """``smoothed_bm`` in numpy. The recurrence is affine in ``h[b - 1]``, so it is a prefix
-    composition of affine maps, computed in log2(buckets) numpy steps."""
-    k = events.shape[0]
-    if mean_pull > 0.0:
-        mean = state_means(events, expo, prior, family)
-        events += (prior * mean_pull) * _local_rates_bm(events, expo, mean, window)
-    expo += prior
-    c = np.divide(events, expo, out=events)  # h[b] = a[b] * h[b - 1] + c[b]
-    a = np.divide(prior * (1.0 - mean_pull), expo, out=expo)
-    na = np.empty_like(a)  # the next a (written beside a: no copy of it)
-    d = 1
-    while d < k:  # (a, c)[b] := (a, c)[b] after (a, c)[b - d]: maps over 2d buckets
-        c[d:] += np.multiply(a[d:], c[:-d], out=na[d:])
-        np.multiply(a[d:], a[:-d], out=na[d:])
-        na[:d] = a[:d]
-        a, na = na, a
-        d *= 2
-    np.multiply(a, pooled, out=a)
-    a += c
-    h: npt.NDArray[np.float64] = np.clip(a, 0.0, 1.0, out=a)
-    return h
 
 
 def _local_rates_bm(
