@@ -203,3 +203,17 @@ def test_the_cli_says_when_the_default_ran_lru(capsys: pytest.CaptureFixture[str
         assert json.loads(capsys.readouterr().out)["tiers"][0]["ranking"] == ranking
     assert main([*args, "300"]) == 0
     assert "density (lru)" in capsys.readouterr().out
+
+
+def test_before_it_decides_the_lru_it_feeds_sees_inserts_out_of_prefix_order() -> None:
+    """An insert whose resident keys come after new ones (prefix order broken by the caller):
+    the learned ranking forgets and re-adds them, the LRU it feeds keeps them, so a cache that
+    turns LRU still evicts as LRU does (it once lost them and refused to evict)."""
+    pol: DensityOrLRU[int] = DensityOrLRU(6)
+    ref: LRU[int] = LRU(6)
+    for p in (pol, ref):
+        p.insert([0, 3])
+        p.insert([2, 0])
+    not_one = lambda k: k != 1  # noqa: E731
+    assert pol.evict(3, not_one) == ref.evict(3, not_one) == [3, 0, 2]
+    assert pol.ranking == "lru" and len(pol) == 0

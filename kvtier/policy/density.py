@@ -215,7 +215,7 @@ class HitDensity(EvictionPolicy[K]):
         if new_ids is not None and i < n and not res.isdisjoint(chain[i:] if i else chain):
             for k in chain[i:]:
                 if k in res:
-                    self.remove(k)
+                    HitDensity.remove(self, k)  # this ranking's only (an LRU mirror keeps it)
         table, queues, top = self.table, self._queues, self._top
         now = self.now
         stamp = now << START_SHIFT
