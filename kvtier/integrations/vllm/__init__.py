@@ -1,0 +1,10 @@
+"""kvtier as a vLLM v1 KV connector (``kv_connector_module_path="kvtier.integrations.vllm"``).
+
+Importing this package imports vLLM; the rest of kvtier never does. See ``connector``.
+"""
+
+from __future__ import annotations
+
+from kvtier.integrations.vllm.connector import KvtierConnector
+
+__all__ = ["KvtierConnector"]

@@ -1,0 +1,235 @@
+"""``KvtierConnector``: kvtier as a vLLM v1 KV connector.
+
+Enable with::
+
+    KVTransferConfig(
+        kv_connector="KvtierConnector",
+        kv_connector_module_path="kvtier.integrations.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"kvtier_config": "/etc/kvtier.toml"},
+    )
+
+vLLM builds one instance in the scheduler's process (``SchedulerSide``: lookups, load/save
+plans) and one per worker rank (``WorkerSide``: the rank's store and the page moves). Bad
+settings raise ``ConfigError`` from the constructor, so the engine refuses to start, with a
+message naming the setting. The connector is a best-effort cache: a load it cannot deliver is
+recomputed by vLLM (it sets ``kv_load_failure_policy = "recompute"``, the only policy that
+never fails a request for a cache fault).
+"""
+
+from __future__ import annotations
+
+import platform
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+)
+from vllm.logger import init_logger
+
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.backend import LocalBackend
+from kvtier.integrations.vllm.identity import engine_identity
+from kvtier.integrations.vllm.lookup_rpc import LookupClient, LookupServer
+from kvtier.integrations.vllm.metadata import KvtierMetadata
+from kvtier.integrations.vllm.pages import PageLayout, PageMover, page_layout
+from kvtier.integrations.vllm.scheduler import SchedulerSide
+from kvtier.integrations.vllm.settings import ConnectorSettings, parse_settings
+from kvtier.integrations.vllm.worker import WorkerSide
+from kvtier.layout import KVLayout, canonical_dtype
+
+log = init_logger("kvtier.vllm")
+
+
+def _attention_spec(kv_cache_config: Any) -> Any:
+    """The one full-attention spec kvtier can store (``ConfigError`` for anything else)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
+    if len(groups) != 1:
+        raise ConfigError(
+            f"kvtier's vLLM connector supports one KV cache group (full attention); this model "
+            f"has {len(groups)} (a hybrid model); run it without kv_connector=KvtierConnector"
+        )
+    spec = groups[0].kv_cache_spec
+    if type(spec) is not FullAttentionSpec or getattr(spec, "sliding_window", None):
+        raise ConfigError(
+            f"kvtier's vLLM connector supports full attention only, got {type(spec).__name__}"
+            "; run this model without kv_connector=KvtierConnector"
+        )
+    return spec
+
+
+def _engine_tag(vllm_config: Any, pages: PageLayout) -> str:
+    """The page format: anything that changes a page's bytes for the same tokens and weights."""
+    from vllm.platforms import current_platform
+
+    cache = vllm_config.cache_config
+    mc = vllm_config.model_config
+    device = str(current_platform.device_type)
+    isa = "-"
+    if device == "cpu":
+        try:
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            isa = str(
+                _get_attn_isa(mc.dtype, cache.block_size, mc.get_head_size(), cache.cache_dtype)
+            )
+        except Exception:  # an older/newer vLLM: name the machine's vector units instead
+            isa = f"{platform.machine()}-avx512={torch.cpu._is_avx512_supported()}"
+    shape = "x".join(str(d) for d in pages.page_shape)
+    return (
+        f"vllm-paged|{device}|isa={isa}|page={shape}|block_size={cache.block_size}"
+        f"|dtype={pages.dtype}|cache_dtype={cache.cache_dtype}"
+    )
+
+
+class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """kvtier behind vLLM's ``KVConnectorBase_V1`` (see the module docstring)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        self._settings: ConnectorSettings = parse_settings(
+            ktc.kv_connector_extra_config, vllm_config.cache_config.block_size
+        )
+        self._engine_id = str(ktc.engine_id)
+        pc = vllm_config.parallel_config
+        self._ranks = int(pc.tensor_parallel_size) * int(pc.pipeline_parallel_size)
+        self._sched: SchedulerSide | None = None
+        self._client: LookupClient | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            spec = _attention_spec(kv_cache_config)
+            # check the config against the layout now: the engine refuses to start on a bad one
+            layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
+            per_token = spec.head_size + getattr(spec, "head_size_v", spec.head_size)
+            self._settings.store_config(
+                KVLayout(
+                    layers,
+                    spec.num_kv_heads,
+                    per_token,
+                    canonical_dtype(str(spec.dtype)),
+                    1,
+                    self._settings.block_tokens,
+                )
+            )
+            if ktc.kv_load_failure_policy != "recompute":
+                log.info(
+                    "kvtier: kv_load_failure_policy set to 'recompute' (cache faults recompute)"
+                )
+                ktc.kv_load_failure_policy = "recompute"
+            self._client = LookupClient(
+                self._engine_id, self._ranks, self._settings.lookup_timeout_s
+            )
+            self._sched = SchedulerSide(
+                self._client.lookup,
+                self._settings.block_tokens,
+                vllm_config.cache_config.block_size,
+            )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped save is a later miss, never a lost result
+
+    # -- scheduler side ----------------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._sched is not None:
+            self._sched.kv_cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        assert self._sched is not None
+        return self._sched.matched(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._sched is not None
+        self._sched.after_alloc(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvtierMetadata:
+        assert self._sched is not None
+        return self._sched.build(scheduler_output)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self._sched is not None:
+            self._sched.finished(request)
+        return False, None
+
+    # -- worker side -------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        from kvtier.store import TieredStore
+        from kvtier.tiers.registry import make_tiers
+
+        cfg = self._vllm_config
+        pages = page_layout(list(kv_caches.values()), cfg.cache_config.block_size)
+        tp, pp = get_tp_group(), get_pp_group()
+        ident = engine_identity(
+            cfg,
+            _engine_tag(cfg, pages),
+            self._settings.model_id,
+            (tp.rank_in_group, tp.world_size),
+            (pp.rank_in_group, pp.world_size),
+        )
+        sc = self._settings.store_config(pages.kvtier_layout(self._settings.block_tokens))
+        tiers = make_tiers(sc.layout, sc.tiers)
+        try:
+            store = TieredStore(
+                sc.layout,
+                tiers,
+                tenant=sc.tenant,
+                policy=sc.policy,
+                workers=sc.workers,
+                secret=sc.secret,
+                share_group=sc.share_group,
+                demote_queue=sc.demote_queue,
+                metrics_port=sc.metrics_port or None,
+                **ident.store_kwargs(),
+            )
+        except BaseException:
+            for t in tiers:
+                t.close()
+            raise
+        backend = LocalBackend(store)
+        rank = pp.rank_in_group * tp.world_size + tp.rank_in_group
+        server = LookupServer(self._engine_id, rank, backend.lookup)
+        self._worker = WorkerSide(backend, PageMover(list(kv_caches.values()), pages), server)
+        log.info("kvtier: rank %d store ready (%s)", rank, ident.engine_tag)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if self._worker is not None and isinstance(meta, KvtierMetadata):
+            self._worker.load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # saves run once per step in wait_for_save, from whole pages
+
+    def wait_for_save(self) -> None:
+        if self._worker is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if isinstance(meta, KvtierMetadata):
+            self._worker.save(meta)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None

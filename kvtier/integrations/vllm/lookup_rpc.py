@@ -1,0 +1,162 @@
+"""Lookups from vLLM's scheduler process to the stores in its worker processes (pyzmq).
+
+vLLM runs the scheduler (where ``get_num_new_matched_tokens`` is asked) in the engine-core
+process and every rank's model runner (where the KV pages and the rank's store live) in worker
+processes. Each worker rank answers lookups on a ZeroMQ REP socket, ``ipc://`` in a private
+temporary directory (mode 0700) named from vLLM's engine id; the scheduler asks every rank
+and takes the minimum (a prefix is usable only if every rank holds its part).
+
+Failure is a miss: a rank that does not answer within the timeout, a malformed reply or a
+closed socket counts as 0 tokens for that request, never a hang or an exception in the
+scheduler. The REQ sockets are relaxed/correlated, so a late reply to an abandoned question is
+discarded instead of wedging the socket.
+
+Wire format (one multipart message each way): question ``[json header, int32 token bytes]``
+with ``{"op": "lookup", "start", "adapter", "salt"}``; answer ``[json {"end": n}]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import stat
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+
+from kvtier.integrations.vllm.backend import Scope
+
+log = logging.getLogger("kvtier.vllm")
+
+LookupFn = Callable[[np.ndarray[Any, Any], Scope, int], int]
+
+
+def socket_dir(engine_id: str) -> Path:
+    """The private directory of one engine's sockets (created 0700; refused if not ours)."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in engine_id)[:64]
+    path = Path(tempfile.gettempdir()) / f"kvtier-vllm-{safe}"
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{path} is not a private directory of this user")
+    return path
+
+
+def rank_address(engine_id: str, rank: int) -> str:
+    return f"ipc://{socket_dir(engine_id) / f'rank{rank}.sock'}"
+
+
+class LookupServer:
+    """Answers lookups for one rank on a background thread until ``close()``."""
+
+    def __init__(self, engine_id: str, rank: int, lookup: LookupFn) -> None:
+        self._lookup = lookup
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.REP)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self.address = rank_address(engine_id, rank)
+        path = self.address.removeprefix("ipc://")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a stale socket of a dead engine with the same id
+        self._sock.bind(self.address)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._serve, name=f"kvtier-lookup-{rank}", daemon=True
+        )
+        self._thread.start()
+
+    def _answer(self, parts: Sequence[bytes]) -> dict[str, Any]:
+        head = json.loads(parts[0])
+        tokens = (
+            np.frombuffer(parts[1], dtype=np.int32) if len(parts) > 1 else np.empty(0, np.int32)
+        )
+        scope = Scope(str(head.get("adapter", "")), str(head.get("salt", "")))
+        return {"end": int(self._lookup(tokens, scope, int(head.get("start", 0))))}
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            try:
+                parts = self._sock.recv_multipart()
+            except zmq.ZMQError:
+                break
+            try:
+                reply = self._answer(parts)
+            except Exception as exc:  # a bad question is a miss for the asker
+                log.warning("kvtier lookup failed: %s", exc)
+                reply = {"end": 0}
+            try:
+                self._sock.send(json.dumps(reply).encode())
+            except zmq.ZMQError:
+                break
+        self._sock.close(0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._ctx.term()
+        with contextlib.suppress(OSError):
+            os.unlink(self.address.removeprefix("ipc://"))
+
+
+class LookupClient:
+    """Asks every rank; not thread-safe (the scheduler calls it from its one thread)."""
+
+    def __init__(self, engine_id: str, ranks: int, timeout_s: float) -> None:
+        self._ctx = zmq.Context()
+        self._timeout = timeout_s
+        self._socks = []
+        for r in range(ranks):
+            s = self._ctx.socket(zmq.REQ)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.REQ_RELAXED, 1)
+            s.setsockopt(zmq.REQ_CORRELATE, 1)
+            s.connect(rank_address(engine_id, r))
+            self._socks.append(s)
+        self.timeouts = 0
+
+    def lookup(self, tokens: np.ndarray[Any, Any], scope: Scope, start: int = 0) -> int:
+        """min over ranks of each rank's cached prefix end; 0 if any rank fails to answer."""
+        head = json.dumps(
+            {"op": "lookup", "start": start, "adapter": scope.adapter, "salt": scope.salt}
+        )
+        body = np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
+        poller = zmq.Poller()
+        for s in self._socks:
+            try:
+                s.send_multipart([head.encode(), body], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                self.timeouts += 1
+                return 0
+            poller.register(s, zmq.POLLIN)
+        deadline = time.monotonic() + self._timeout
+        ends: dict[int, int] = {}
+        while len(ends) < len(self._socks):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.timeouts += 1
+                return 0
+            for s, _ in poller.poll(int(left * 1000) + 1):
+                try:
+                    ends[id(s)] = int(json.loads(s.recv(zmq.NOBLOCK))["end"])
+                except (zmq.ZMQError, ValueError, KeyError, TypeError):
+                    return 0
+                poller.unregister(s)
+        return min(ends.values()) if ends else 0
+
+    def close(self) -> None:
+        for s in self._socks:
+            s.close(0)
+        self._ctx.term()
