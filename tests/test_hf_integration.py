@@ -58,7 +58,7 @@ def test_cache_round_trip_each_architecture() -> None:
         m = random_model(ModelSpec(arch=arch, layers=2, hidden=64, heads=4, kv_heads=2))
         cache = hf_cache.new_cache(m)
         with torch.inference_mode():
-            m(torch.tensor([list(range(40))]), cache=cache, use_cache=True)
+            m(torch.tensor([list(range(40))]), **hf_cache.cache_arg(m, cache), use_cache=True)
         kv = hf_cache.kv_from_cache(cache, 0, 40)
         assert kv.shape == (2, 2, 40, 2, 16)
         back = hf_cache.cache_from_kv(m, kv, 32)

@@ -46,7 +46,14 @@ def kv_transfer(kvtier_config: Any, **extra: Any) -> Any:
     )
 
 
-def engine(model: Path, kvtier_config: Any = None, *, kv_bytes: int = 64 << 20, **kw: Any) -> Any:
+def engine(
+    model: Path,
+    kvtier_config: Any = None,
+    *,
+    kv_bytes: int = 64 << 20,
+    max_model_len: int = 16384,
+    **kw: Any,
+) -> Any:
     """A ``vllm.LLM`` on CPU over ``model``; with kvtier when ``kvtier_config`` is given."""
     from vllm import LLM
 
@@ -58,7 +65,7 @@ def engine(model: Path, kvtier_config: Any = None, *, kv_bytes: int = 64 << 20, 
         enforce_eager=True,
         block_size=BLOCK_SIZE,
         kv_cache_memory_bytes=kv_bytes,
-        max_model_len=16384,
+        max_model_len=max_model_len,
         dtype="bfloat16",
         seed=0,
         **kw,

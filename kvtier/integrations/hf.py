@@ -280,14 +280,18 @@ def generate_with_cache(
     )
     cache, n_reused = pre.cache, pre.n_reused
     try:
-        out = model(ids[:, n_reused:], cache=cache, use_cache=True, logits_to_keep=1)
+        out = model(
+            ids[:, n_reused:], **hf_cache.cache_arg(model, cache), use_cache=True, logits_to_keep=1
+        )
     finally:
         verified = pre.stream.verify() if pre.stream is not None else n_reused
     if verified < n_reused:  # streamed KV failed verification: recompute from the good prefix
         assert pre.kv is not None
         n_reused = verified
         cache = hf_cache.cache_from_kv(model, pre.kv, n_reused)
-        out = model(ids[:, n_reused:], cache=cache, use_cache=True, logits_to_keep=1)
+        out = model(
+            ids[:, n_reused:], **hf_cache.cache_arg(model, cache), use_cache=True, logits_to_keep=1
+        )
     first = out.logits[0, -1]
     _sync(first)
     ttft = time.perf_counter() - t0
@@ -319,7 +323,9 @@ def generate_reference(
     t0 = time.perf_counter()
     ids, _ = input_tensor(model, input_ids)
     cache = hf_cache.new_cache(model)
-    first = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+    first = model(ids, **hf_cache.cache_arg(model, cache), use_cache=True, logits_to_keep=1).logits[
+        0, -1
+    ]
     _sync(first)
     ttft = time.perf_counter() - t0
     gen, logits = _decode(model, cache, first, max_new_tokens, eos)
@@ -333,7 +339,9 @@ def _decode(
     gen = [int(first.argmax())]
     while len(gen) < max_new and gen[-1] not in eos:
         step = torch.tensor([[gen[-1]]], device=first.device)
-        nxt = model(step, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        nxt = model(
+            step, **hf_cache.cache_arg(model, cache), use_cache=True, logits_to_keep=1
+        ).logits[0, -1]
         logits.append(nxt)
         gen.append(int(nxt.argmax()))
     return gen, torch.stack(logits).cpu()
@@ -394,7 +402,12 @@ def _recompute_tail(
     start = max(0, min(start, len(seq) - min_rows))
     hf_cache.crop(cache, start)
     ids = torch.from_numpy(seq[start:].astype(np.int64)).unsqueeze(0)
-    model(ids.to(hf_cache.model_device(model)), cache=cache, use_cache=True, logits_to_keep=1)
+    model(
+        ids.to(hf_cache.model_device(model)),
+        **hf_cache.cache_arg(model, cache),
+        use_cache=True,
+        logits_to_keep=1,
+    )
 
 
 def _sync(t: torch.Tensor) -> None:

@@ -8,8 +8,9 @@ batch of one sequence, on CPU or CUDA (through pinned host buffers and non-block
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 import numpy as np
@@ -90,6 +91,19 @@ def host_buffer(layout: KVLayout, n_tokens: int, pin: bool = False) -> tuple[tor
     t = torch.empty(layout.kv_shape(n_tokens), dtype=torch_dtype(layout), pin_memory=pin)
     view: Array = t.view(_INT_VIEW[layout.dtype]).numpy().view(layout.storage_dtype)
     return t, view
+
+
+@lru_cache(maxsize=64)
+def _cache_keyword(forward_type: type) -> str:
+    params = inspect.signature(forward_type.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_arg(model: Any, cache: DynamicCache) -> dict[str, DynamicCache]:
+    """The forward keyword that passes ``cache`` to ``model``: ``cache`` in transformers >= 5.24
+    (where ``past_key_values`` is deprecated), ``past_key_values`` before (the range vLLM
+    accepts)."""
+    return {_cache_keyword(type(model)): cache}
 
 
 def new_cache(model: Any) -> DynamicCache:
