@@ -179,3 +179,14 @@ def test_warm_restart_serves_from_nvme(
         assert list(o.outputs[0].token_ids) == reference["q2"][0]
     finally:
         _shutdown(llm)
+
+
+def test_bad_config_refuses_to_start_naming_the_setting(
+    model: Path, store_root: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    cfg = _config(store_root / "bad")
+    cfg["store"]["block_tokens"] = 200  # not a multiple of vLLM's block_size 128
+    with pytest.raises(Exception):  # noqa: B017 -- vLLM wraps the worker's error in its own
+        H.engine(model, cfg, kv_bytes=KV_BYTES, max_model_len=8192)
+    err = capfd.readouterr().err
+    assert "block_tokens = 200 is not a multiple of vLLM's block_size 128" in err

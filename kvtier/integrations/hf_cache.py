@@ -94,8 +94,8 @@ def host_buffer(layout: KVLayout, n_tokens: int, pin: bool = False) -> tuple[tor
 
 
 @lru_cache(maxsize=64)
-def _cache_keyword(forward_type: type) -> str:
-    params = inspect.signature(forward_type.forward).parameters
+def _cache_keyword(forward: Callable[..., Any]) -> str:
+    params = inspect.signature(forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
@@ -103,7 +103,7 @@ def cache_arg(model: Any, cache: DynamicCache) -> dict[str, DynamicCache]:
     """The forward keyword that passes ``cache`` to ``model``: ``cache`` in transformers >= 5.24
     (where ``past_key_values`` is deprecated), ``past_key_values`` before (the range vLLM
     accepts)."""
-    return {_cache_keyword(type(model)): cache}
+    return {_cache_keyword(type(model).forward): cache}
 
 
 def new_cache(model: Any) -> DynamicCache:

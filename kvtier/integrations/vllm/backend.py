@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -151,7 +151,7 @@ class LocalBackend:
         n = int(self._store.load(tokens[: start + n_out], full, **self._kw(scope)))
         if n > start:
             out[:, :, : n - start].copy_(full[:, :, start:n])
-        return max(n, start) if n >= start else start
+        return max(n, start)
 
     def _compat_store(self, tokens: np.ndarray[Any, Any], kv: Any, scope: Scope, start: int) -> int:
         import torch
@@ -168,6 +168,33 @@ class LocalBackend:
             full[:, :, start:] = kv
             written = int(self._store.store(tokens, full, **self._kw(scope)))
         return written
+
+
+def open_local(config: Any, identity: Mapping[str, Any]) -> LocalBackend:
+    """A ``LocalBackend`` over a new ``TieredStore`` for a ``StoreConfig`` and the identity's
+    store keywords (``EngineIdentity.store_kwargs()``); closes the tiers if the store fails."""
+    from kvtier.store import TieredStore
+    from kvtier.tiers.registry import make_tiers
+
+    tiers = make_tiers(config.layout, config.tiers)
+    try:
+        store = TieredStore(
+            config.layout,
+            tiers,
+            tenant=config.tenant,
+            policy=config.policy,
+            workers=config.workers,
+            secret=config.secret,
+            share_group=config.share_group,
+            demote_queue=config.demote_queue,
+            metrics_port=config.metrics_port or None,
+            **identity,
+        )
+    except BaseException:
+        for t in tiers:
+            t.close()
+        raise
+    return LocalBackend(store)
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.backend import LocalBackend
+from kvtier.integrations.vllm.backend import open_local
 from kvtier.integrations.vllm.identity import engine_identity
 from kvtier.integrations.vllm.lookup_rpc import LookupClient, LookupServer
 from kvtier.integrations.vllm.metadata import KvtierMetadata
@@ -126,6 +126,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
             self._sched = SchedulerSide(
                 self._client.lookup,
+                self._client.lease,
                 self._settings.block_tokens,
                 vllm_config.cache_config.block_size,
             )
@@ -165,9 +166,6 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
-        from kvtier.store import TieredStore
-        from kvtier.tiers.registry import make_tiers
-
         cfg = self._vllm_config
         pages = page_layout(list(kv_caches.values()), cfg.cache_config.block_size)
         tp, pp = get_tp_group(), get_pp_group()
@@ -179,28 +177,10 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             (pp.rank_in_group, pp.world_size),
         )
         sc = self._settings.store_config(pages.kvtier_layout(self._settings.block_tokens))
-        tiers = make_tiers(sc.layout, sc.tiers)
-        try:
-            store = TieredStore(
-                sc.layout,
-                tiers,
-                tenant=sc.tenant,
-                policy=sc.policy,
-                workers=sc.workers,
-                secret=sc.secret,
-                share_group=sc.share_group,
-                demote_queue=sc.demote_queue,
-                metrics_port=sc.metrics_port or None,
-                **ident.store_kwargs(),
-            )
-        except BaseException:
-            for t in tiers:
-                t.close()
-            raise
-        backend = LocalBackend(store)
+        backend = open_local(sc, ident.store_kwargs())
         rank = pp.rank_in_group * tp.world_size + tp.rank_in_group
-        server = LookupServer(self._engine_id, rank, backend.lookup)
-        self._worker = WorkerSide(backend, PageMover(list(kv_caches.values()), pages), server)
+        self._worker = WorkerSide(backend, PageMover(list(kv_caches.values()), pages))
+        self._worker.serve(LookupServer(self._engine_id, rank, backend.lookup, self._worker.lease))
         log.info("kvtier: rank %d store ready (%s)", rank, ident.engine_tag)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -222,6 +202,11 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = self._get_connector_metadata()
         if isinstance(meta, KvtierMetadata):
             self._worker.save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is not None and finished_req_ids:
+            self._worker.finished(finished_req_ids)
+        return None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

@@ -12,7 +12,10 @@ scheduler. The REQ sockets are relaxed/correlated, so a late reply to an abandon
 discarded instead of wedging the socket.
 
 Wire format (one multipart message each way): question ``[json header, int32 token bytes]``
-with ``{"op": "lookup", "start", "adapter", "salt"}``; answer ``[json {"end": n}]``.
+with ``{"op": "lookup" | "lease", "start", "adapter", "salt", "req"}``; answer ``[json {"end":
+n}]``. ``lease`` pins the prefix on the rank for request ``req`` until the rank loads it (or the
+request finishes): the commit that follows a lookup, so a block does not leave between the
+scheduler's promise and the worker's load.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from kvtier.integrations.vllm.backend import Scope
 log = logging.getLogger("kvtier.vllm")
 
 LookupFn = Callable[[np.ndarray[Any, Any], Scope, int], int]
+LeaseFn = Callable[[str, np.ndarray[Any, Any], Scope, int], int]
 
 
 def socket_dir(engine_id: str) -> Path:
@@ -58,8 +62,9 @@ def rank_address(engine_id: str, rank: int) -> str:
 class LookupServer:
     """Answers lookups for one rank on a background thread until ``close()``."""
 
-    def __init__(self, engine_id: str, rank: int, lookup: LookupFn) -> None:
+    def __init__(self, engine_id: str, rank: int, lookup: LookupFn, lease: LeaseFn) -> None:
         self._lookup = lookup
+        self._lease = lease
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -80,7 +85,10 @@ class LookupServer:
             np.frombuffer(parts[1], dtype=np.int32) if len(parts) > 1 else np.empty(0, np.int32)
         )
         scope = Scope(str(head.get("adapter", "")), str(head.get("salt", "")))
-        return {"end": int(self._lookup(tokens, scope, int(head.get("start", 0))))}
+        start = int(head.get("start", 0))
+        if head.get("op") == "lease":
+            return {"end": int(self._lease(str(head["req"]), tokens, scope, start))}
+        return {"end": int(self._lookup(tokens, scope, start))}
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -129,9 +137,16 @@ class LookupClient:
 
     def lookup(self, tokens: np.ndarray[Any, Any], scope: Scope, start: int = 0) -> int:
         """min over ranks of each rank's cached prefix end; 0 if any rank fails to answer."""
-        head = json.dumps(
-            {"op": "lookup", "start": start, "adapter": scope.adapter, "salt": scope.salt}
-        )
+        return self._ask({"op": "lookup"}, tokens, scope, start)
+
+    def lease(self, req_id: str, tokens: np.ndarray[Any, Any], scope: Scope, start: int) -> int:
+        """Pin the prefix on every rank for ``req_id``; min over ranks of the pinned end."""
+        return self._ask({"op": "lease", "req": req_id}, tokens, scope, start)
+
+    def _ask(
+        self, op: dict[str, Any], tokens: np.ndarray[Any, Any], scope: Scope, start: int
+    ) -> int:
+        head = json.dumps({**op, "start": start, "adapter": scope.adapter, "salt": scope.salt})
         body = np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
         poller = zmq.Poller()
         for s in self._socks:

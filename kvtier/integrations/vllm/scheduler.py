@@ -28,6 +28,7 @@ from kvtier.integrations.vllm.backend import Scope
 from kvtier.integrations.vllm.metadata import KvtierMetadata, PageOp
 
 LookupFn = Callable[[np.ndarray[Any, Any], Scope, int], int]
+LeaseFn = Callable[[str, np.ndarray[Any, Any], Scope, int], int]
 
 
 @dataclass(slots=True)
@@ -61,9 +62,15 @@ class SchedulerSide:
     """Per-request bookkeeping between vLLM's scheduler hooks (see the module docstring)."""
 
     def __init__(
-        self, lookup: LookupFn, block_tokens: int, page_tokens: int, kv_cache_manager: Any = None
+        self,
+        lookup: LookupFn,
+        lease: LeaseFn,
+        block_tokens: int,
+        page_tokens: int,
+        kv_cache_manager: Any = None,
     ) -> None:
         self._lookup = lookup
+        self._lease = lease
         self._bt = block_tokens
         self._bs = page_tokens
         self._reqs: dict[str, _Req] = {}
@@ -110,6 +117,9 @@ class SchedulerSide:
         if st is None:
             return
         st.pending_load = num_external_tokens > 0 and st.local + num_external_tokens == st.load_end
+        if st.pending_load:  # committed: hold the blocks on every rank until the load
+            tokens = np.asarray(request.all_token_ids[: st.load_end], dtype=np.int32)
+            self._lease(request.request_id, tokens, st.scope, st.local // self._bt * self._bt)
 
     def _pages(self, req_id: str) -> list[int]:
         return list(self.kv_cache_manager.get_block_ids(req_id)[0])

@@ -15,9 +15,12 @@ starts the rank's lookup server. Per step, on the model runner's thread:
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
-from kvtier.integrations.vllm.backend import KVBackend
+import numpy as np
+
+from kvtier.integrations.vllm.backend import KVBackend, Lease, Scope
 from kvtier.integrations.vllm.lookup_rpc import LookupServer
 from kvtier.integrations.vllm.metadata import KvtierMetadata, PageOp
 from kvtier.integrations.vllm.pages import PageMover
@@ -26,22 +29,52 @@ log = logging.getLogger("kvtier.vllm")
 
 
 class WorkerSide:
-    """One rank's transfers (not thread-safe: the model runner's thread; the lookup server's
-    thread only calls the backend, which is)."""
+    """One rank's transfers. ``load``/``save``/``finished`` run on the model runner's thread;
+    ``lease`` on the lookup server's (the lease table is locked, the backend is thread-safe)."""
 
-    def __init__(self, backend: KVBackend, mover: PageMover, server: LookupServer | None) -> None:
+    def __init__(self, backend: KVBackend, mover: PageMover) -> None:
         self.backend = backend
         self.mover = mover
-        self._server = server
+        self._server: LookupServer | None = None
+        self._leases: dict[str, Lease] = {}
+        self._lease_lock = threading.Lock()
         self._errors: set[int] = set()
         self.loaded_tokens = 0
         self.failed_pages = 0
         self.saved_tokens = 0
         self.save_failures = 0
 
+    def serve(self, server: LookupServer) -> None:
+        """Own ``server`` (closed with this object)."""
+        self._server = server
+
+    def lease(self, req_id: str, tokens: np.ndarray[Any, Any], scope: Scope, start: int) -> int:
+        """Pin the prefix of ``tokens`` for ``req_id`` until its load (or ``finished``)."""
+        lease = self.backend.lease(tokens, scope, start)
+        with self._lease_lock:
+            old = self._leases.pop(req_id, None)
+            self._leases[req_id] = lease
+        if old is not None:
+            old.release()
+        return lease.end
+
+    def _release(self, req_id: str) -> None:
+        with self._lease_lock:
+            lease = self._leases.pop(req_id, None)
+        if lease is not None:
+            lease.release()
+
+    def finished(self, req_ids: set[str]) -> None:
+        """Requests that ended (an aborted one may never have loaded): drop their leases."""
+        for r in req_ids:
+            self._release(r)
+
     def load(self, meta: KvtierMetadata) -> None:
         for op in meta.loads:
-            self._load_one(op)
+            try:
+                self._load_one(op)
+            finally:
+                self._release(op.req_id)
 
     def _load_one(self, op: PageOp) -> None:
         bs = self.mover.layout.page_tokens
@@ -79,6 +112,7 @@ class WorkerSide:
     def close(self) -> None:
         if self._server is not None:
             self._server.close()
+        self.finished(set(self._leases))
         self.backend.close()
 
     def stats(self) -> dict[str, Any]:
