@@ -222,3 +222,30 @@ def test_lookup_is_the_minimum_over_ranks_and_a_silent_rank_is_a_miss() -> None:
     finally:
         client.close()
         servers[0].close()
+
+
+def test_another_tensor_parallel_rank_never_reads_this_ranks_blocks(tmp_path: Path) -> None:
+    """Two ranks over one persistent directory (as over a shared pool): same tokens, same
+    layout, other heads -- rank 1 must miss what rank 0 wrote."""
+    caches = _caches(6)
+    toks = _tokens(6, 2 * BT + 1)
+    settings = parse_settings(
+        {
+            "kvtier_config": {
+                "store": {"block_tokens": BT},
+                "tiers": [{"kind": "nvme", "capacity": "8MiB", "paths": [str(tmp_path)]}],
+            }
+        },
+        BS,
+    )
+    pages = page_layout(caches, BS)
+    cfg = settings.store_config(pages.kvtier_layout(BT))
+    for rank, expect in ((0, 0), (0, 2 * BT), (1, 0)):
+        ident = EngineIdentity("tiny", "r1", "fp", "test-pages", tp_rank=rank, tp_size=2)
+        w = WorkerSide(open_local(cfg, ident.store_kwargs()), PageMover(caches, pages))
+        try:
+            assert w.backend.lookup(toks, Scope()) == expect, (rank, expect)
+            if rank == 0:
+                w.save(KvtierMetadata(saves=[_op(toks, 0, 2 * BT, [0, 1, 2, 3])]))
+        finally:
+            w.close()

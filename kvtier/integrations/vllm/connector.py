@@ -19,6 +19,7 @@ never fails a request for a cache fault).
 
 from __future__ import annotations
 
+import logging
 import platform
 from typing import Any
 
@@ -27,7 +28,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
 )
-from vllm.logger import init_logger
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.backend import open_local
@@ -40,7 +40,8 @@ from kvtier.integrations.vllm.settings import ConnectorSettings, parse_settings
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.layout import KVLayout, canonical_dtype
 
-log = init_logger("kvtier.vllm")
+# a child of vLLM's logger: its handlers (and VLLM_LOGGING_LEVEL) show kvtier's lines too
+log = logging.getLogger("vllm.kvtier")
 
 
 def _attention_spec(kv_cache_config: Any) -> Any:
@@ -212,7 +213,10 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self._worker.take_load_errors() if self._worker is not None else set()
 
     def shutdown(self) -> None:
+        if self._sched is not None:
+            log.info("kvtier scheduler: %s", self._sched.stats())
         if self._worker is not None:
+            log.info("kvtier worker: %s", self._worker.stats())
             self._worker.close()
             self._worker = None
         if self._client is not None:

@@ -108,6 +108,7 @@ class SchedulerSide:
         if end <= num_computed_tokens:
             return 0
         st.load_end = end
+        self.hit_tokens += end - num_computed_tokens
         return end - num_computed_tokens
 
     def after_alloc(self, request: Any, num_external_tokens: int) -> None:
@@ -170,6 +171,13 @@ class SchedulerSide:
                     )
                     st.held = done
         return meta
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "lookups": self.lookups,
+            "hit_tokens": self.hit_tokens,
+            "uncacheable": self.uncacheable,
+        }
 
     def finished(self, request: Any) -> None:
         self._reqs.pop(request.request_id, None)

