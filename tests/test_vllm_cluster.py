@@ -91,3 +91,86 @@ def test_two_engines_share_a_prefix_over_redis(model: Path, redis_url: str) -> N
         for e in (a, b):
             if e is not None:
                 _close(e)
+
+
+def test_vllm_serve_multi_turn_history_comes_from_kvtier(model: Path, tmp_path: Path) -> None:
+    """``vllm serve`` with the connector on 127.0.0.1; a conversation over the OpenAI client.
+    After each turn the engine's prefix cache is reset: the next turn's history is kvtier's."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    import openai
+
+    from tests.servers import free_port
+
+    port = free_port()
+    conf = tmp_path / "kvtier.toml"
+    conf.write_text(
+        '[store]\nblock_tokens = 256\nmodel_id = "tiny-serve"\n'
+        f'[[tiers]]\nkind = "host"\ncapacity = "32MiB"\n'
+        f'[[tiers]]\nkind = "nvme"\ncapacity = "64MiB"\npaths = ["{tmp_path / "nvme"}"]\n'
+    )
+    ktc = {
+        "kv_connector": "KvtierConnector",
+        "kv_connector_module_path": "kvtier.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kvtier_config": str(conf)},
+    }
+    argv = [
+        str(Path(sys.executable).parent / "vllm"), "serve", str(model),
+        "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--enforce-eager",
+        "--block-size", "128", "--kv-cache-memory-bytes", str(16 << 20), "--max-model-len",
+        "4096", "--dtype", "bfloat16", "--enable-prompt-tokens-details",
+        "--kv-transfer-config", json.dumps(ktc),
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_HOST_IP": "127.0.0.1"}
+    log = (tmp_path / "serve.log").open("wb")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "vllm serve did not come up"
+                time.sleep(1)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+
+        def complete(ids: list[int]) -> tuple[list[int], int]:
+            r = client.completions.create(
+                model=str(model), prompt=ids, max_tokens=8, temperature=0.0,
+                extra_body={"return_token_ids": True},
+            )  # fmt: skip
+            details = r.usage.prompt_tokens_details if r.usage else None
+            return list(r.choices[0].token_ids), int(details.cached_tokens if details else 0)
+
+        def reset() -> None:
+            urllib.request.urlopen(
+                urllib.request.Request(f"{base}/reset_prefix_cache", b"", method="POST")
+            )
+
+        history = _tokens(7, 700)
+        for turn in range(3):
+            history = history + _tokens(20 + turn, 50)
+            reset()
+            out, cached = complete(history)
+            if turn:  # everything but the new question was stored by the earlier turns
+                assert cached >= (len(history) - 50 - 8) // 256 * 256 > 0
+            again, own = complete(history)  # vLLM's own prefix cache serves it now
+            assert own >= cached and again == out
+            history = history + out
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()

@@ -13,7 +13,10 @@ same machine load:
   ``doc_i + another question`` for the first time: the prefix comes from NVMe;
 - ``overhead``: 1 - the median over rounds of (tokens/s with kvtier / without) on a workload
   with no reuse at all (unique prompts in one batch: every block a miss and a save), the two
-  engines alternating round by round.
+  engines alternating round by round; ``connector_share``: the fraction of that run's wall
+  time the connector spent on the model runner's thread (gathering and storing pages; the
+  worker's own counters, read over the lookup socket), which the machine's noise does not
+  touch.
 
 Reported: ``speedup_host`` = recompute / host and ``speedup_nvme`` = recompute / nvme (targets
 >= 10x and >= 5x at 8K tokens), ``overhead`` (target <= 3%), and ``identical``: every first
@@ -109,6 +112,19 @@ def _throughput(llm: Any, prompts: list[list[int]], round_: int) -> float:
     return (sum(len(p) for p in batch) + sum(len(o.outputs[0].token_ids) for o in outs)) / dt
 
 
+def _connector_s(llm: Any) -> float:
+    """Seconds the connector's worker side has spent loading and saving (rank 0)."""
+    from kvtier.integrations.vllm.lookup_rpc import LookupClient
+
+    engine_id = str(llm.llm_engine.vllm_config.kv_transfer_config.engine_id)
+    client = LookupClient(engine_id, 1, timeout_s=5.0)
+    try:
+        st = client.stats()[0]
+    finally:
+        client.close()
+    return float(st.get("load_s", 0.0)) + float(st.get("save_s", 0.0))
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the three engines; vLLM's log (its processes write to stdout) goes to stderr, so
     stdout carries only the result."""
@@ -186,12 +202,18 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             hits.append(cached)
             identical = identical and got == tok
         result["vllm_prefix_cache_s"] = statistics.median(_first(plain, p)[0] for p in other)
-        ratios, tps = [], []
+        ratios, tps, shares = [], [], []
         for r in range(args.repeat):
-            pair = (_throughput(plain, unique, r), _throughput(llm, unique, r))
+            before = _connector_s(llm)
+            t0 = time.perf_counter()
+            with_kv = _throughput(llm, unique, r)
+            wall = time.perf_counter() - t0
+            shares.append((_connector_s(llm) - before) / wall)
+            pair = (_throughput(plain, unique, r), with_kv)
             tps.append(pair)
             ratios.append(pair[1] / pair[0])
         result["throughput_tok_s"] = [{"plain": a, "kvtier": b} for a, b in tps]
+        result["connector_share"] = statistics.median(shares)
         for p in first:
             plain.reset_prefix_cache()
             dt, tok, _ = _first(plain, p)

@@ -181,7 +181,11 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         backend = open_local(sc, ident.store_kwargs())
         rank = pp.rank_in_group * tp.world_size + tp.rank_in_group
         self._worker = WorkerSide(backend, PageMover(list(kv_caches.values()), pages))
-        self._worker.serve(LookupServer(self._engine_id, rank, backend.lookup, self._worker.lease))
+        self._worker.serve(
+            LookupServer(
+                self._engine_id, rank, backend.lookup, self._worker.lease, self._worker.stats
+            )
+        )
         log.info("kvtier: rank %d store ready (%s)", rank, ident.engine_tag)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

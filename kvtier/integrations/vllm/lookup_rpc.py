@@ -13,9 +13,10 @@ discarded instead of wedging the socket.
 
 Wire format (one multipart message each way): question ``[json header, int32 token bytes]``
 with ``{"op": "lookup" | "lease", "start", "adapter", "salt", "req"}``; answer ``[json {"end":
-n}]``. ``lease`` pins the prefix on the rank for request ``req`` until the rank loads it (or the
-request finishes): the commit that follows a lookup, so a block does not leave between the
-scheduler's promise and the worker's load.
+n}]``. ``lease`` pins the prefix on the rank for request ``req`` until the rank loads it (or
+the request finishes): the commit that follows a lookup, so a block does not leave between the
+scheduler's promise and the worker's load. ``{"op": "stats"}`` answers the rank's counters
+(``WorkerSide.stats``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ log = logging.getLogger("kvtier.vllm")
 
 LookupFn = Callable[[np.ndarray[Any, Any], Scope, int], int]
 LeaseFn = Callable[[str, np.ndarray[Any, Any], Scope, int], int]
+StatsFn = Callable[[], dict[str, Any]]
 
 
 def socket_dir(engine_id: str) -> Path:
@@ -62,9 +64,17 @@ def rank_address(engine_id: str, rank: int) -> str:
 class LookupServer:
     """Answers lookups for one rank on a background thread until ``close()``."""
 
-    def __init__(self, engine_id: str, rank: int, lookup: LookupFn, lease: LeaseFn) -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        rank: int,
+        lookup: LookupFn,
+        lease: LeaseFn,
+        stats: StatsFn = dict,
+    ) -> None:
         self._lookup = lookup
         self._lease = lease
+        self._stats = stats
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -81,6 +91,8 @@ class LookupServer:
 
     def _answer(self, parts: Sequence[bytes]) -> dict[str, Any]:
         head = json.loads(parts[0])
+        if head.get("op") == "stats":
+            return self._stats()
         tokens = (
             np.frombuffer(parts[1], dtype=np.int32) if len(parts) > 1 else np.empty(0, np.int32)
         )
@@ -142,6 +154,20 @@ class LookupClient:
     def lease(self, req_id: str, tokens: np.ndarray[Any, Any], scope: Scope, start: int) -> int:
         """Pin the prefix on every rank for ``req_id``; min over ranks of the pinned end."""
         return self._ask({"op": "lease", "req": req_id}, tokens, scope, start)
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Every rank's counters, in rank order ({} for a rank that did not answer in time)."""
+        out: list[dict[str, Any]] = []
+        for s in self._socks:
+            try:
+                s.send_multipart([b'{"op": "stats"}', b""])
+                if not s.poll(int(self._timeout * 1000)):
+                    out.append({})
+                    continue
+                out.append(json.loads(s.recv()))
+            except (zmq.ZMQError, ValueError):
+                out.append({})
+        return out
 
     def _ask(
         self, op: dict[str, Any], tokens: np.ndarray[Any, Any], scope: Scope, start: int

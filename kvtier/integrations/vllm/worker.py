@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,8 @@ class WorkerSide:
         self.failed_pages = 0
         self.saved_tokens = 0
         self.save_failures = 0
+        self.load_s = 0.0  # wall time in load / save (the connector's share of each step)
+        self.save_s = 0.0
 
     def serve(self, server: LookupServer) -> None:
         """Own ``server`` (closed with this object)."""
@@ -70,11 +73,13 @@ class WorkerSide:
             self._release(r)
 
     def load(self, meta: KvtierMetadata) -> None:
+        t0 = time.perf_counter()
         for op in meta.loads:
             try:
                 self._load_one(op)
             finally:
                 self._release(op.req_id)
+        self.load_s += time.perf_counter() - t0
 
     def _load_one(self, op: PageOp) -> None:
         bs = self.mover.layout.page_tokens
@@ -97,6 +102,11 @@ class WorkerSide:
             self._errors.update(missing)
 
     def save(self, meta: KvtierMetadata) -> None:
+        t0 = time.perf_counter()
+        self._save(meta)
+        self.save_s += time.perf_counter() - t0
+
+    def _save(self, meta: KvtierMetadata) -> None:
         for op in meta.saves:
             try:
                 kv = self.mover.as_kv(self.mover.gather(list(op.page_ids)))
@@ -116,9 +126,12 @@ class WorkerSide:
         self.backend.close()
 
     def stats(self) -> dict[str, Any]:
+        """Counters since start (read from the lookup server's thread: plain reads of ints)."""
         return {
             "loaded_tokens": self.loaded_tokens,
             "failed_pages": self.failed_pages,
             "saved_tokens": self.saved_tokens,
             "save_failures": self.save_failures,
+            "load_s": round(self.load_s, 4),
+            "save_s": round(self.save_s, 4),
         }
