@@ -12,10 +12,11 @@ the moves to the engine. Counters of what was decided live here too.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
+from kvtier.errors import RequestError
 from kvtier.index import BlockIndex
 from kvtier.keys import BlockKey
 from kvtier.moves import Move
@@ -63,6 +64,20 @@ class Counters(TenantCounters):
     write_through_skipped: int = 0
     failed_moves: int = 0
     dropped_for_room: int = 0
+
+
+def checked_reuse_class(value: object) -> Hashable | None:
+    """``value`` if it can label a request for the policies (``None`` or hashable, as a dict
+    key must be); ``RequestError`` otherwise, before the store writes anything: a label the
+    policy cannot take would otherwise fail after the blocks are in the tier."""
+    try:
+        hash(value)
+    except Exception as exc:
+        raise RequestError(
+            f"reuse_class must be hashable (None, a str, an int, or a tuple of them), got "
+            f"{type(value).__name__} {value!r:.80} ({exc})"
+        ) from None
+    return value  # hashable: hash() accepted it
 
 
 @dataclass(slots=True)

@@ -17,6 +17,7 @@ blocks.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -83,7 +84,11 @@ class BlockIndex:
         reuse_class: Hashable | None = None,
     ) -> None:
         """Commit (``ok``) or roll back the writes of ``keys`` into ``tier``; prefix order.
-        ``reuse_class`` labels the committed keys for the tier's policy (a store's new blocks)."""
+        ``reuse_class`` labels the committed keys for the tier's policy (a store's new blocks).
+
+        Exception-safe: if the policy raises while taking the committed keys, every write of
+        the call is rolled back (none stays in the index, so none is left that the policy cannot
+        evict) and the exception propagates; the caller must delete them from the tier."""
         bit = 1 << tier
         policy = self.policies[tier]
         committed = []
@@ -99,7 +104,26 @@ class BlockIndex:
                 self.resident[tier] -= 1
                 self._forget_if_empty(key, e)
         if policy is not None and committed:
-            policy.insert(committed, reuse_class)
+            try:
+                policy.insert(committed, reuse_class)
+            except BaseException:
+                self._uncommit(committed, tier)
+                raise
+
+    def _uncommit(self, keys: Sequence[BlockKey], tier: int) -> None:
+        """Take back the commit of ``keys`` into ``tier`` (its policy raised while taking them):
+        a block the policy may not track could never be evicted, so none of them is stored. The
+        caller deletes them from the tier."""
+        bit = 1 << tier
+        policy = self.policies[tier]
+        for key in keys:
+            e = self.entries[key]
+            e.tiers &= ~bit
+            self.resident[tier] -= 1
+            if policy is not None:
+                with contextlib.suppress(Exception):  # it may hold some of them, or none
+                    policy.remove(key)
+            self._forget_if_empty(key, e)
 
     def add_present(self, keys: Sequence[BlockKey], tier: int) -> None:
         """Record blocks found already present in ``tier`` (warm restart, a shared hit)."""

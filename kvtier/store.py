@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import StoreConfig
+from kvtier.decider import checked_reuse_class
 from kvtier.errors import LayoutError
 from kvtier.keys import BlockKey, Namespace, TokenIds, iter_keys
 from kvtier.kvarray import host_array
@@ -126,7 +127,9 @@ class TieredStore(ReadPath):
 
         ``kv`` is ``[layers, kv_factor, n, kv_heads, head_dim]`` (numpy in the layout's storage
         dtype, or a torch tensor), ``n <= len(tokens)``; blocks cover ``tokens[:n]``. Raises
-        ``TokenError``/``LayoutError`` before storing anything if the input is malformed. When
+        ``TokenError``/``LayoutError``/``RequestError`` (an unhashable ``reuse_class``) before
+        storing anything if the input is malformed; any exception leaves nothing of the call
+        stored that the store cannot evict (see ``BlockIndex.end_write``). When
         the first tier is pinned full, the leading blocks that fit are stored.
 
         ``reuse_class`` labels the request for learned admission (``kvtier.policy.admission``):
@@ -136,6 +139,7 @@ class TieredStore(ReadPath):
         blocks accordingly; a class without signal changes nothing. ``None``: unlabelled.
         """
         self._check_open()
+        reuse_class = checked_reuse_class(reuse_class)
         toks = TokenIds(tokens)
         arr = host_array(kv, self.layout, "kv")
         if arr.shape[2] > len(toks):
@@ -208,7 +212,11 @@ class TieredStore(ReadPath):
                 idx.end_write(new_keys, 0, [False] * len(new_keys))
             raise
         with self._lock:
-            idx.end_write(new_keys, 0, ok, reuse_class)
+            try:
+                idx.end_write(new_keys, 0, ok, reuse_class)
+            except BaseException:  # rolled back in the index: the tier forgets them too
+                first.delete([k for k, g in zip(new_keys, ok, strict=True) if g], owner)
+                raise
             written = sum(ok)
             tokens = written * self.layout.block_tokens
             for cnt in self._decider.counted(ns.tenant):
