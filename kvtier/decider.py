@@ -183,7 +183,7 @@ class Decider:
             e = self.index.readable(key)
             if e is None:
                 break
-            reads.append(Read(key, e.best_tier(), True))
+            reads.append(Read(key, e.read_tier(), True))
         return reads
 
     def plan_write_through(self, keys: list[BlockKey], owner: str) -> list[Move]:

@@ -37,6 +37,14 @@ class Entry:
         t = self.tiers
         return (t & -t).bit_length() - 1 if t else -1
 
+    def read_tier(self) -> int:
+        """The tier a reader should use: the fastest copy no eviction is taking away; else,
+        while a move carries it to another tier (``pending``), the copy it is leaving (readable
+        until the move deletes it, then from its new tier); -1 if no copy will be left (its
+        drop is planned, or it is not written yet): a block a pin cannot keep."""
+        t = self.tiers & ~self.leaving or (self.tiers if self.pending else 0)
+        return (t & -t).bit_length() - 1 if t else -1
+
 
 class BlockIndex:
     """Entries by key plus one eviction policy per managed tier. Not thread-safe."""
@@ -59,8 +67,11 @@ class BlockIndex:
 
     # -- queries ---------------------------------------------------------------------------
     def readable(self, key: BlockKey) -> Entry | None:
+        """The entry of ``key`` if a reader can get its bytes (``Entry.read_tier``), else None.
+        A copy whose drop is already planned does not count: a pin cannot stop a move the
+        workers already carry out, so a pin or a lookup counting it would promise a miss."""
         e = self.entries.get(key)
-        return e if e is not None and e.tiers else None
+        return e if e is not None and e.read_tier() >= 0 else None
 
     def free(self, tier: int) -> int:
         cap = self.capacities[tier]

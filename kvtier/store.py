@@ -86,12 +86,11 @@ class TieredStore(ReadPath):
         toks = TokenIds(tokens)
         ns = self.namespace(tenant)
         limit = len(toks) // self.layout.block_tokens
-        entries = self._index.entries
+        readable = self._index.readable  # what a load can read: not a block on its way out
         n = 0
         with self._lock:
             for key in islice(iter_keys(ns, toks), limit):
-                e = entries.get(key)
-                if e is None or not e.tiers:
+                if readable(key) is None:
                     break
                 n += 1
         n += len(self._shared_extension(ns, toks, n, limit))
