@@ -257,10 +257,22 @@ class Decider:
             moves.append(Move(src, 0, keys, [owner] * len(keys), delete_src=False))
         return moves
 
+    def persistent_tier(self) -> int | None:
+        """The first persistent local tier (where ``plan_persist`` copies to), if any."""
+        return next((i for i in self.local if self.tiers[i].persistent), None)
+
+    def volatile_only(self) -> int:
+        """Blocks held in a local tier but in no persistent one: what a crash would lose."""
+        local = sum(1 << i for i in self.local)
+        kept = sum(1 << i for i in self.local if self.tiers[i].persistent)
+        return sum(1 for e in self.index.entries.values() if e.tiers & local and not e.tiers & kept)
+
     def plan_persist(self) -> list[Move]:
         """Moves copying blocks held only in volatile local tiers down to the first persistent
-        local tier (most recently stored first, evicting its coldest blocks if needed)."""
-        target = next((i for i in self.local if self.tiers[i].persistent), None)
+        local tier (most recently stored first, evicting its coldest blocks if needed). A
+        pinned block is copied too (a copy leaves its source in place); one an eviction is
+        taking out of its tier is not (its bytes are on their way out)."""
+        target = self.persistent_tier()
         if target is None or not self.tiers[target].healthy:
             return []
         idx = self.index
@@ -268,7 +280,7 @@ class Decider:
         by_src: dict[int, list[BlockKey]] = {}
         for key, e in idx.entries.items():
             src = e.best_tier()
-            if 0 <= src < target and not (e.tiers | e.pending) & keep and not e.pins:
+            if 0 <= src < target and not (e.tiers | e.pending) & keep and not e.leaving:
                 by_src.setdefault(src, []).append(key)
         moves: list[Move] = []
         for src, keys in by_src.items():

@@ -34,7 +34,7 @@ from typing import Any
 
 from kvtier.config import StoreConfig
 from kvtier.decider import checked_reuse_class
-from kvtier.errors import LayoutError
+from kvtier.errors import ConfigError, LayoutError
 from kvtier.keys import BlockKey, Namespace, TokenIds, iter_keys
 from kvtier.kvarray import host_array
 from kvtier.readpath import ReadPath
@@ -243,10 +243,37 @@ class TieredStore(ReadPath):
             with self._lock:
                 self._index.unpin(keys)
 
-    def flush(self, timeout: float | None = None) -> None:
-        """Wait until pending demotions, promotions and write-throughs have completed."""
+    def flush(self, timeout: float | None = None, *, durable: bool = False) -> int:
+        """Wait until pending demotions, promotions and write-throughs have completed.
+
+        ``durable``: the store's durability point. Every block held when the call starts is
+        copied from the volatile tiers (host, device) down to the first persistent local tier
+        (NVMe), as ``close`` does, and that tier's index is synced; on return those blocks
+        survive a crash of the process (kill -9) and a power loss, and a new store over the
+        same directories finds them (README: what a crash can lose). A persistent tier too
+        small for everything keeps the most recently stored blocks, evicting its coldest.
+        Returns how many blocks the store holds that are still on no persistent tier (0: all
+        are; always 0 without ``durable``). Blocks stored by other threads during the call
+        may or may not be covered. ``ConfigError`` if ``durable`` and no local tier is
+        persistent. ``timeout`` bounds each wait for the workers (seconds).
+        """
         self._engine.wait_idle(timeout)
         self._poll()
+        if not durable:
+            return 0
+        target = self._decider.persistent_tier()
+        if target is None:
+            raise ConfigError(
+                "flush(durable=True) needs a persistent tier (e.g. nvme) among the local tiers"
+            )
+        with self._lock:
+            moves = self._decider.plan_persist()
+        self._submit("demote", moves)
+        self._engine.wait_idle(timeout)
+        self._poll()
+        self.tiers[target].sync()
+        with self._lock:
+            return self._decider.volatile_only()
 
     def stats(self) -> dict[str, Any]:
         """Counters of the store, per tenant and per tier (see ``MeteredTier.snapshot``), and

@@ -359,6 +359,14 @@ class NVMeTier(SlotTier):
             for _, slot in pinned:
                 self._table.release(slot)
 
+    def sync(self) -> None:
+        """fdatasync each healthy directory's journal: every put reported True (its bytes were
+        synced before its record was written) then survives a power loss. A directory whose
+        sync fails is marked full or degraded (``_guard``), as for any write."""
+        for dev in self._devs:
+            if not dev.failed and dev.dindex is not None:
+                self._guard(dev, "journal sync", self._index(dev).sync)
+
     def close(self) -> None:
         """Finish in-flight work, snapshot each index, release files and locks. Idempotent."""
         if self._closed:

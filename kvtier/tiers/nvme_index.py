@@ -275,6 +275,15 @@ class DirIndex:
                 self._io.fdatasync(self._jfd)
                 self._unsynced_dels = 0
 
+    def sync(self) -> None:
+        """Make every record appended so far (and pending DELs) durable: a power loss then
+        keeps them too, not only a crash of the process (their bytes are in the page cache)."""
+        with self._lock:
+            if self._pending:
+                self._append([])
+            self._io.fdatasync(self._jfd)
+            self._unsynced_dels = 0
+
     def compact(self) -> None:
         """Write a snapshot of ``entries`` (new generation) and empty the journal."""
         with self._lock:
