@@ -38,6 +38,7 @@ from kvtier.errors import ConfigError, LayoutError
 from kvtier.keys import BlockKey, Namespace, TokenIds, iter_keys
 from kvtier.kvarray import host_array
 from kvtier.readpath import ReadPath
+from kvtier.store_core import log
 from kvtier.tiers.base import Array
 
 
@@ -128,7 +129,8 @@ class TieredStore(ReadPath):
         dtype, or a torch tensor), ``n <= len(tokens)``; blocks cover ``tokens[:n]``. Raises
         ``TokenError``/``LayoutError``/``RequestError`` (an unhashable ``reuse_class``) before
         storing anything if the input is malformed; any exception leaves nothing of the call
-        stored that the store cannot evict (see ``BlockIndex.end_write``). When
+        stored that the store cannot evict (see ``BlockIndex.end_write``). A first tier that
+        raises stores nothing of its batch (logged), as one that reports failure. When
         the first tier is pinned full, the leading blocks that fit are stored.
 
         ``reuse_class`` labels the request for learned admission (``kvtier.policy.admission``):
@@ -206,10 +208,17 @@ class TieredStore(ReadPath):
             ok = self._engine.run_parallel(
                 lambda part: first.put([k for k, _ in part], [v for _, v in part], owner), items
             )
-        except BaseException:
+        except BaseException as exc:
+            # a tier that raises broke its contract: nothing of the batch is stored, and what
+            # it wrote before raising is deleted, or those slots would be taken for good
+            # (pending here, so no one else writes these keys into this tier)
+            first.delete(new_keys, owner)
             with self._lock:
                 idx.end_write(new_keys, 0, [False] * len(new_keys))
-            raise
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt & co
+            log.exception("store: %s raised on put; nothing stored", first.name)
+            return 0
         with self._lock:
             try:
                 idx.end_write(new_keys, 0, ok, reuse_class)

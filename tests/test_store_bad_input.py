@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 
 from kvtier.errors import ConfigError, RequestError, TokenError
+from kvtier.keys import BlockKey
 from kvtier.policy import POLICIES
 from kvtier.policy.lru import LRU
 from kvtier.store import TieredStore
+from kvtier.tiers.base import Array
 from kvtier.tiers.host import HostTier
 from tests.helpers import SMALL, host_store, kv_for
 
@@ -128,3 +130,33 @@ def test_a_huge_token_id_in_a_list_names_its_value_and_position(value: int) -> N
         with pytest.raises(TokenError, match=rf"{value} at position 5"):
             st.lookup(toks)
         assert st.stats()["store"]["indexed_blocks"] == 0
+
+
+class PartialPutTier(HostTier):
+    """A first tier whose ``put`` stores its first block, then raises (a tier breaking its
+    contract half-way through a batch)."""
+
+    armed = False
+
+    def put(
+        self, keys: Sequence[BlockKey], blocks: Sequence[Array], tenant: str = ""
+    ) -> list[bool]:
+        if not self.armed:
+            return super().put(keys, blocks, tenant)
+        super().put(keys[:1], blocks[:1], tenant)
+        raise RuntimeError("tier failed mid-batch")
+
+
+def test_a_first_tier_raising_mid_put_stores_nothing_and_strands_nothing() -> None:
+    tier = PartialPutTier(SMALL, 6 * SMALL.block_bytes)
+    with TieredStore(SMALL, [tier], workers=1) as st:
+        tier.armed = True
+        a = prompt(100, 3)
+        assert st.store(a, kv_for(a)) == 0  # a fault is an outcome, not an exception
+        assert st.lookup(a) == 0
+        assert_consistent(st)
+        tier.armed = False
+        for i in range(4):  # the slot it wrote before raising was given back
+            b = prompt(10_000 * (i + 1), 3)
+            assert st.store(b, kv_for(b)) == 3 * BT
+        assert_consistent(st)
