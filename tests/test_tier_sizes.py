@@ -46,3 +46,14 @@ def test_an_nvme_tier_whose_index_fits_but_not_its_disk_gets_the_disk_space_erro
     with pytest.raises(ConfigError, match="filesystem has"):
         NVMeTier(big, [tmp_path / "nvme0"], 1024 << 40)  # 1 PiB of 64 MiB slots
     assert not (tmp_path / "nvme0").exists()  # refused before the directory was made
+
+
+def test_an_existing_empty_directory_too_small_is_refused_before_allocating(
+    tmp_path: Path,
+) -> None:
+    d = tmp_path / "nvme0"
+    d.mkdir()
+    big = SMALL.__class__(layers=64, kv_heads=8, head_dim=128, dtype="float16", block_tokens=256)
+    with pytest.raises(ConfigError, match="filesystem has"):
+        NVMeTier(big, [d], 1024 << 40)
+    assert list(d.iterdir()) == []  # nothing created in it

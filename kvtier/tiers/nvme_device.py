@@ -188,21 +188,17 @@ class Device:
         hold its slot file and index: a check before anything is created or allocated (the
         one in ``open`` is authoritative). Creates nothing; a path it cannot stat is left to
         ``open`` to report."""
-        probe, have = self.path, 0
+        probe = self.path
         while not os.path.lexists(probe) and probe != probe.parent:
             probe = probe.parent
         try:
             st = os.statvfs(probe)
-            if probe == self.path:
-                have = os.stat(self.path / SLOTS_FILE).st_blocks * 512
-        except FileNotFoundError:
-            pass
+            have = _size_on_disk(self.path / SLOTS_FILE) if probe == self.path else 0
         except OSError:
             return
-        else:
-            grow = self.n_slots * slot_bytes - have
-            if grow > 0 and grow + index_reserve(self.n_slots) > st.f_bavail * st.f_frsize:
-                raise self._no_room(slot_bytes, st.f_bavail * st.f_frsize, "no space")
+        grow = self.n_slots * slot_bytes - have
+        if grow > 0 and grow + index_reserve(self.n_slots) > st.f_bavail * st.f_frsize:
+            raise self._no_room(slot_bytes, st.f_bavail * st.f_frsize, "no space")
 
     def _no_room(self, slot_bytes: int, free: int, why: str) -> ConfigError:
         return ConfigError(
@@ -346,6 +342,14 @@ def _missing(path: Path) -> list[Path]:
         made.append(path)
         path = path.parent
     return made
+
+
+def _size_on_disk(path: Path) -> int:
+    """Bytes allocated to the file at ``path``; 0 if there is none."""
+    try:
+        return os.stat(path).st_blocks * 512
+    except FileNotFoundError:
+        return 0
 
 
 def _size(path: Path) -> int:
