@@ -238,7 +238,10 @@ class TieredStore(ReadPath):
     # -- prefetch / pin --------------------------------------------------------------------
     @contextlib.contextmanager
     def pin(self, tokens: Any, tenant: str | None = None) -> Iterator[int]:
-        """Pin the cached prefix of ``tokens`` (no eviction while held); yields its length."""
+        """Pin the cached prefix of ``tokens`` (no eviction while held); yields its length.
+
+        Counts only blocks a ``load`` can read: not one whose eviction is already under way
+        with no copy left behind (``BlockIndex.readable``), which a pin could not keep."""
         self._check_open()
         toks = TokenIds(tokens)
         ns = self.namespace(tenant)
