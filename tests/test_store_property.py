@@ -44,12 +44,15 @@ class Boom(Exception):
 
 
 class StoreUnderFire(RuleBasedStateMachine):
+    #: the default policy runs plain LRU in tiers this small; subclasses learn (below)
+    policy = "density"
+
     def __init__(self) -> None:
         super().__init__()
         self.dir = Path(tempfile.mkdtemp(prefix="kvtier-prop-"))
         host = HostTier(SMALL, HOST * SMALL.block_bytes)
         nvme = NVMeTier(SMALL, [self.dir], NVME * slot_bytes_for(SMALL.block_bytes), workers=1)
-        self.st = TieredStore(SMALL, [host, nvme], workers=2)
+        self.st = TieredStore(SMALL, [host, nvme], policy=self.policy, workers=2)
         self.fresh = 10**6  # token ids of prompts never stored
 
     def fresh_prompt(self, blocks: int) -> list[int]:
@@ -175,6 +178,24 @@ StoreUnderFire.TestCase.settings = settings(
     max_examples=12, stateful_step_count=20, deadline=None, suppress_health_check=_quiet
 )
 TestStoreUnderFire = StoreUnderFire.TestCase
+
+
+class LearningStoreUnderFire(StoreUnderFire):
+    """The same with the policies that learn from reuse classes whatever the tier's size."""
+
+    policy = "density-always"
+
+
+class S3FIFOStoreUnderFire(StoreUnderFire):
+    policy = "s3fifo"
+
+
+for _machine in (LearningStoreUnderFire, S3FIFOStoreUnderFire):
+    _machine.TestCase.settings = settings(
+        max_examples=6, stateful_step_count=20, deadline=None, suppress_health_check=_quiet
+    )
+TestLearningStoreUnderFire = LearningStoreUnderFire.TestCase
+TestS3FIFOStoreUnderFire = S3FIFOStoreUnderFire.TestCase
 
 
 @pytest.mark.slow
