@@ -111,13 +111,13 @@ def test_a_policy_raising_after_the_commit_rolls_the_store_back(
 def test_workers_out_of_range_is_a_config_error(workers: object) -> None:
     tiers = [HostTier(SMALL, 4 * SMALL.block_bytes)]
     with pytest.raises(ConfigError, match="workers"):
-        TieredStore(SMALL, tiers, workers=workers)  # type: ignore[arg-type]
+        TieredStore(SMALL, tiers, model_id="m", workers=workers)  # type: ignore[arg-type]
 
 
 def test_the_same_tier_twice_is_a_config_error() -> None:
     t = HostTier(SMALL, 4 * SMALL.block_bytes)
     with pytest.raises(ConfigError, match="twice"):
-        TieredStore(SMALL, [t, t])
+        TieredStore(SMALL, [t, t], model_id="m")
 
 
 @pytest.mark.parametrize("value", [2**64, 2**70, 2**32])
@@ -149,7 +149,7 @@ class PartialPutTier(HostTier):
 
 def test_a_first_tier_raising_mid_put_stores_nothing_and_strands_nothing() -> None:
     tier = PartialPutTier(SMALL, 6 * SMALL.block_bytes)
-    with TieredStore(SMALL, [tier], workers=1) as st:
+    with TieredStore(SMALL, [tier], model_id="m", workers=1) as st:
         tier.armed = True
         a = prompt(100, 3)
         assert st.store(a, kv_for(a)) == 0  # a fault is an outcome, not an exception

@@ -34,7 +34,7 @@ HOST_BLOCKS, NVME_BLOCKS = 8, 48
 def open_store(d: Path) -> TieredStore:
     host = HostTier(SMALL, HOST_BLOCKS * SMALL.block_bytes)
     nvme = NVMeTier(SMALL, [d], NVME_BLOCKS * slot_bytes_for(SMALL.block_bytes), workers=2)
-    return TieredStore(SMALL, [host, nvme], policy="lru", workers=2)
+    return TieredStore(SMALL, [host, nvme], model_id="m", policy="lru", workers=2)
 
 
 def prompt(i: int, blocks: int = 3) -> list[int]:
@@ -110,7 +110,7 @@ def test_without_the_durable_flush_host_only_blocks_are_lost(tmp_path: Path) -> 
 def test_durable_flush_reports_what_the_persistent_tier_could_not_take(tmp_path: Path) -> None:
     host = HostTier(SMALL, 16 * SMALL.block_bytes)
     nvme = NVMeTier(SMALL, [tmp_path / "nvme0"], 4 * slot_bytes_for(SMALL.block_bytes))
-    with TieredStore(SMALL, [host, nvme], policy="lru") as st:
+    with TieredStore(SMALL, [host, nvme], model_id="m", policy="lru") as st:
         for i in range(4):
             st.store(prompt(i), kv_for(prompt(i)))
         assert st.flush(durable=True) == 12 - 4  # 12 blocks, 4 slots on NVMe

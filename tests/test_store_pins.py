@@ -43,7 +43,7 @@ def test_a_pin_does_not_count_a_block_whose_drop_is_planned(tmp_path: Path) -> N
     io = SlowSyncIO()
     host = HostTier(SMALL, SMALL.block_bytes)
     nvme = NVMeTier(SMALL, [tmp_path], 2 * SLOT, io=io, workers=1)
-    with TieredStore(SMALL, [host, nvme], policy="lru", workers=2) as st:
+    with TieredStore(SMALL, [host, nvme], model_id="m", policy="lru", workers=2) as st:
         a, b, c, d = (prompt(1000 * i) for i in range(1, 5))
         for p in (a, b, c):
             assert st.store(p, kv_for(p)) == BT
@@ -88,7 +88,7 @@ def test_eight_threads_on_tiny_tiers_never_load_less_than_they_pinned(tmp_path: 
         except BaseException as exc:  # reported below, not lost in the thread
             errors.append(exc)
 
-    with TieredStore(SMALL, [host, nvme], policy="lru", workers=2) as st:
+    with TieredStore(SMALL, [host, nvme], model_id="m", policy="lru", workers=2) as st:
         threads = [threading.Thread(target=work, args=(s,)) for s in range(8)]
         for t in threads:
             t.start()

@@ -52,7 +52,7 @@ class StoreUnderFire(RuleBasedStateMachine):
         self.dir = Path(tempfile.mkdtemp(prefix="kvtier-prop-"))
         host = HostTier(SMALL, HOST * SMALL.block_bytes)
         nvme = NVMeTier(SMALL, [self.dir], NVME * slot_bytes_for(SMALL.block_bytes), workers=1)
-        self.st = TieredStore(SMALL, [host, nvme], policy=self.policy, workers=2)
+        self.st = TieredStore(SMALL, [host, nvme], model_id="m", policy=self.policy, workers=2)
         self.fresh = 10**6  # token ids of prompts never stored
 
     def fresh_prompt(self, blocks: int) -> list[int]:
