@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvtier.errors import LayoutError, RequestError, TokenError
+from kvtier.errors import ConfigError, LayoutError, RequestError, TokenError
 from kvtier.store import TieredStore
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.nvme import NVMeTier
@@ -94,6 +94,22 @@ class StoreUnderFire(RuleBasedStateMachine):
         with self.st.pin(p) as n:
             assert self.check_load(p) >= n, "a pin promised more than the load found"
 
+    @rule(
+        i=st.integers(0, POOL - 1),
+        skip=st.integers(0, 2),
+        adapter=st.sampled_from([None, "lora-a"]),
+    )
+    def lease_then_load_from(self, i: int, skip: int, adapter: str | None) -> None:
+        p = prompt(i)
+        start = min(skip, len(p) // BT) * BT
+        out = self.out(len(p) - start)
+        with self.st.lease(p, adapter=adapter, start=start) as held:
+            n = self.st.load(p, out, adapter=adapter, start=start)
+            assert n >= held.end >= start, "a lease promised more than the load found"
+        assert not held.held
+        want = kv_for(p)[:, :, start:n]
+        assert np.array_equal(out[:, :, : n - start], want), "wrong bytes"
+
     @rule(i=st.integers(0, POOL - 1))
     def prefetch(self, i: int) -> None:
         assert 0 <= self.st.prefetch(prompt(i)) <= len(prompt(i))
@@ -142,6 +158,23 @@ class StoreUnderFire(RuleBasedStateMachine):
         p = prompt(i)
         with pytest.raises(LayoutError):
             self.st.load(p, self.out(len(p) - BT))
+
+    @rule(
+        i=st.integers(0, POOL - 1),
+        bad=st.sampled_from(
+            [{"start": 1}, {"start": -BT}, {"start": 99 * BT}, {"adapter": ""}, {"salt": 5}]
+        ),
+    )
+    def calls_with_a_bad_scope_or_start(self, i: int, bad: dict[str, Any]) -> None:
+        p = self.fresh_prompt(1 + i % 3)
+        exc = LayoutError if "start" in bad else ConfigError
+        self.nothing_stored_by(lambda: self.st.store(p, kv_for(p), **bad), exc)
+        with pytest.raises(exc):
+            self.st.lookup(p, **bad)
+        with pytest.raises(exc):
+            self.st.load(p, self.out(len(p)), **bad)
+        with pytest.raises(exc):
+            self.st.lease(p, **bad)
 
     @rule(i=st.integers(0, POOL - 1))
     def exception_inside_a_pin(self, i: int) -> None:
