@@ -14,8 +14,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh inst
 import torch
 
 from kvtier.errors import ConfigError
+from kvtier.identity import Identity
 from kvtier.integrations.vllm.backend import Scope, open_local
-from kvtier.integrations.vllm.identity import EngineIdentity
 from kvtier.integrations.vllm.lookup_rpc import LookupClient, LookupServer
 from kvtier.integrations.vllm.metadata import KvtierMetadata, PageOp
 from kvtier.integrations.vllm.pages import PageMover, page_layout
@@ -36,8 +36,8 @@ def _caches(seed: int) -> list[torch.Tensor]:
     ]
 
 
-def _identity(tag: str = "test-pages") -> dict[str, Any]:
-    return EngineIdentity("tiny", "r1", "fp", tag).store_kwargs()
+def _identity(tag: str = "test-pages") -> Identity:
+    return Identity("tiny", "r1", engine_tag=tag, model_fingerprint="fp")
 
 
 def _worker(caches: list[torch.Tensor], tiers: list[dict[str, Any]]) -> WorkerSide:
@@ -45,7 +45,7 @@ def _worker(caches: list[torch.Tensor], tiers: list[dict[str, Any]]) -> WorkerSi
         {"kvtier_config": {"store": {"block_tokens": BT}, "tiers": tiers}}, BS
     )
     pages = page_layout(caches, BS)
-    backend = open_local(settings.store_config(pages.kvtier_layout(BT)), _identity())
+    backend = open_local(settings.store_config(pages.kvtier_layout(BT), "tiny"), _identity())
     return WorkerSide(backend, PageMover(caches, pages))
 
 
@@ -99,7 +99,7 @@ def test_a_tier_smaller_than_one_block_is_refused() -> None:
     with pytest.raises(
         ConfigError, match=r"#0 \(host\) capacity '4KiB' is smaller than one kvtier block"
     ):
-        s.store_config(layout)
+        s.store_config(layout, "tiny")
 
 
 # -- worker side over a real store -------------------------------------------------------
@@ -239,10 +239,10 @@ def test_another_tensor_parallel_rank_never_reads_this_ranks_blocks(tmp_path: Pa
         BS,
     )
     pages = page_layout(caches, BS)
-    cfg = settings.store_config(pages.kvtier_layout(BT))
+    cfg = settings.store_config(pages.kvtier_layout(BT), "tiny")
     for rank, expect in ((0, 0), (0, 2 * BT), (1, 0)):
-        ident = EngineIdentity("tiny", "r1", "fp", "test-pages", tp_rank=rank, tp_size=2)
-        w = WorkerSide(open_local(cfg, ident.store_kwargs()), PageMover(caches, pages))
+        ident = Identity("tiny", "r1", rank, 2, engine_tag="test-pages", model_fingerprint="fp")
+        w = WorkerSide(open_local(cfg, ident), PageMover(caches, pages))
         try:
             assert w.backend.lookup(toks, Scope()) == expect, (rank, expect)
             if rank == 0:

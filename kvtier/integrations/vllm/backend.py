@@ -17,9 +17,8 @@ verified blocks and says how far it got.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -71,20 +70,6 @@ class KVBackend(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass(slots=True)
-class _PinLease:
-    """A lease over ``TieredStore.pin`` (a context manager held open until ``release``)."""
-
-    end: int
-    _ctx: contextlib.AbstractContextManager[int] | None
-
-    def release(self) -> None:
-        ctx, self._ctx = self._ctx, None
-        if ctx is not None:
-            with contextlib.suppress(Exception):
-                ctx.__exit__(None, None, None)
-
-
 class LocalBackend:
     """``KVBackend`` over a ``TieredStore`` owned by this object (closed by ``close``).
 
@@ -94,9 +79,6 @@ class LocalBackend:
 
     def __init__(self, store: Any) -> None:
         self._store = store
-        # The per-call scope and offset keywords arrive with the store's identity API; until
-        # then the scope is folded into the tenant and offsets are emulated (see _compat).
-        self._native = "start" in inspect.signature(store.load).parameters
 
     @property
     def block_tokens(self) -> int:
@@ -107,72 +89,30 @@ class LocalBackend:
         """The wrapped ``TieredStore`` (for ``stats()``)."""
         return self._store
 
-    def _kw(self, scope: Scope) -> dict[str, Any]:
-        if self._native:
-            return {"adapter": scope.adapter or None, "salt": scope.salt or None}
-        if scope.adapter or scope.salt:
-            return {"tenant": f"{self._store.tenant}|a={scope.adapter}|s={scope.salt}"}
-        return {}
+    @staticmethod
+    def _kw(scope: Scope, start: int) -> dict[str, Any]:
+        return {"adapter": scope.adapter or None, "salt": scope.salt or None, "start": start}
 
     def lookup(self, tokens: np.ndarray[Any, Any], scope: Scope, start: int = 0) -> int:
-        if self._native:
-            return int(self._store.lookup(tokens, start=start, **self._kw(scope)))
-        return int(self._store.lookup(tokens, **self._kw(scope)))
+        return int(self._store.lookup(tokens, **self._kw(scope, start)))
 
     def load(self, tokens: np.ndarray[Any, Any], out: Any, scope: Scope, start: int = 0) -> int:
-        if self._native:
-            return int(self._store.load(tokens, out, start=start, **self._kw(scope)))
-        return self._compat_load(tokens, out, scope, start)
+        return int(self._store.load(tokens, out, **self._kw(scope, start)))
 
     def store(self, tokens: np.ndarray[Any, Any], kv: Any, scope: Scope, start: int = 0) -> int:
-        if self._native:
-            return int(self._store.store(tokens, kv, start=start, **self._kw(scope)))
-        return self._compat_store(tokens, kv, scope, start)
+        return int(self._store.store(tokens, kv, **self._kw(scope, start)))
 
     def lease(self, tokens: np.ndarray[Any, Any], scope: Scope, start: int = 0) -> Lease:
-        if self._native:
-            lease: Lease = self._store.lease(tokens, start=start, **self._kw(scope))
-            return lease
-        ctx = self._store.pin(tokens, **self._kw(scope))
-        end = int(ctx.__enter__())
-        return _PinLease(end, ctx)
+        lease: Lease = self._store.lease(tokens, **self._kw(scope, start))
+        return lease
 
     def close(self) -> None:
         self._store.close()
 
-    # -- emulation of the offset keywords on a store without them (removed once they land) --
-    def _compat_load(self, tokens: np.ndarray[Any, Any], out: Any, scope: Scope, start: int) -> int:
-        import torch
 
-        n_out = int(out.shape[2])
-        full = torch.empty(
-            (out.shape[0], out.shape[1], start + n_out, *out.shape[3:]), dtype=out.dtype
-        )
-        n = int(self._store.load(tokens[: start + n_out], full, **self._kw(scope)))
-        if n > start:
-            out[:, :, : n - start].copy_(full[:, :, start:n])
-        return max(n, start)
-
-    def _compat_store(self, tokens: np.ndarray[Any, Any], kv: Any, scope: Scope, start: int) -> int:
-        import torch
-
-        if start == 0:
-            return int(self._store.store(tokens, kv, **self._kw(scope)))
-        # the prefix must be held (pinned) so the store skips it: its bytes are not given
-        with self._store.pin(tokens[:start], **self._kw(scope)) as held:
-            if held < start:
-                return 0
-            full = torch.zeros(
-                (kv.shape[0], kv.shape[1], start + kv.shape[2], *kv.shape[3:]), dtype=kv.dtype
-            )
-            full[:, :, start:] = kv
-            written = int(self._store.store(tokens, full, **self._kw(scope)))
-        return written
-
-
-def open_local(config: Any, identity: Mapping[str, Any]) -> LocalBackend:
-    """A ``LocalBackend`` over a new ``TieredStore`` for a ``StoreConfig`` and the identity's
-    store keywords (``EngineIdentity.store_kwargs()``); closes the tiers if the store fails."""
+def open_local(config: Any, identity: Any) -> LocalBackend:
+    """A ``LocalBackend`` over a new ``TieredStore`` for a ``StoreConfig`` and this rank's
+    ``kvtier.identity.Identity``; closes the tiers if the store fails."""
     from kvtier.store import TieredStore
     from kvtier.tiers.registry import make_tiers
 
@@ -185,10 +125,10 @@ def open_local(config: Any, identity: Mapping[str, Any]) -> LocalBackend:
             policy=config.policy,
             workers=config.workers,
             secret=config.secret,
-            share_group=config.share_group,
+            share_groups=config.share_groups,
             demote_queue=config.demote_queue,
             metrics_port=config.metrics_port or None,
-            **identity,
+            identity=identity,
         )
     except BaseException:
         for t in tiers:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import platform
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.backend import open_local
-from kvtier.integrations.vllm.identity import engine_identity
+from kvtier.integrations.vllm.identity import engine_identity, model_name
 from kvtier.integrations.vllm.lookup_rpc import LookupClient, LookupServer
 from kvtier.integrations.vllm.metadata import KvtierMetadata
 from kvtier.integrations.vllm.pages import PageLayout, PageMover, page_layout
@@ -115,7 +116,8 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     canonical_dtype(str(spec.dtype)),
                     1,
                     self._settings.block_tokens,
-                )
+                ),
+                *model_name(vllm_config, self._settings.model_id),
             )
             if ktc.kv_load_failure_policy != "recompute":
                 log.info(
@@ -177,8 +179,11 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             (tp.rank_in_group, tp.world_size),
             (pp.rank_in_group, pp.world_size),
         )
-        sc = self._settings.store_config(pages.kvtier_layout(self._settings.block_tokens))
-        backend = open_local(sc, ident.store_kwargs())
+        sc = self._settings.store_config(
+            pages.kvtier_layout(self._settings.block_tokens), ident.model_id, ident.revision
+        )
+        # the config may name another revision than vLLM's (it names the weights)
+        backend = open_local(sc, replace(ident, revision=sc.identity.revision))
         rank = pp.rank_in_group * tp.world_size + tp.rank_in_group
         self._worker = WorkerSide(backend, PageMover(list(kv_caches.values()), pages))
         self._worker.serve(

@@ -17,51 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
 from typing import Any
+
+from kvtier.identity import Identity
 
 #: HF config keys that do not change what the model computes
 _BOOKKEEPING = frozenset({"_name_or_path", "transformers_version", "_commit_hash", "name_or_path"})
-
-
-@dataclass(frozen=True, slots=True)
-class EngineIdentity:
-    """One rank's identity (a value)."""
-
-    model_id: str
-    revision: str
-    fingerprint: str
-    engine_tag: str
-    tp_rank: int = 0
-    tp_size: int = 1
-    pp_rank: int = 0
-    pp_size: int = 1
-
-    def store_kwargs(self) -> dict[str, Any]:
-        """Keywords for ``TieredStore(...)`` carrying this identity."""
-        try:
-            from kvtier.identity import Identity  # type: ignore[import-not-found,unused-ignore]
-        except ImportError:  # before the store's identity API: fold it into the model id
-            parts = (
-                self.model_id,
-                self.fingerprint,
-                self.engine_tag,
-                f"tp{self.tp_rank}/{self.tp_size}",
-                f"pp{self.pp_rank}/{self.pp_size}",
-            )
-            return {"model_id": "|".join(parts), "weights_version": self.revision}
-        return {
-            "identity": Identity(
-                model_id=self.model_id,
-                revision=self.revision,
-                tp_rank=self.tp_rank,
-                tp_size=self.tp_size,
-                pp_rank=self.pp_rank,
-                pp_size=self.pp_size,
-                engine_tag=self.engine_tag,
-                model_fingerprint=self.fingerprint,
-            )
-        }
 
 
 def model_fingerprint(vllm_config: Any) -> str:
@@ -73,10 +34,15 @@ def model_fingerprint(vllm_config: Any) -> str:
         "hf": {k: v for k, v in sorted(cfg.items()) if k not in _BOOKKEEPING},
         "dtype": str(mc.dtype),
         "quantization": str(getattr(mc, "quantization", None)),
-        "max_model_len": None,  # does not change the bytes of a position's KV
     }
     text = json.dumps(desc, sort_keys=True, default=str)
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def model_name(vllm_config: Any, model_id: str = "") -> tuple[str, str]:
+    """(model id, revision): ``model_id`` from the kvtier config, else vLLM's model name."""
+    mc = vllm_config.model_config
+    return model_id or str(mc.model), str(mc.revision or "")
 
 
 def engine_identity(
@@ -85,16 +51,17 @@ def engine_identity(
     model_id: str = "",
     tp: tuple[int, int] = (0, 1),
     pp: tuple[int, int] = (0, 1),
-) -> EngineIdentity:
-    """The identity of one rank; ``model_id`` ("" = vLLM's model name) from the kvtier config."""
-    mc = vllm_config.model_config
-    return EngineIdentity(
-        model_id=model_id or str(mc.model),
-        revision=str(mc.revision or ""),
-        fingerprint=model_fingerprint(vllm_config),
-        engine_tag=engine_tag,
+) -> Identity:
+    """The identity of one rank; ``model_id`` ("" = vLLM's model name) from the kvtier config.
+    ``ConfigError`` (naming the field) for a value kvtier cannot key safely."""
+    name, revision = model_name(vllm_config, model_id)
+    return Identity(
+        model_id=name,
+        revision=revision,
         tp_rank=tp[0],
         tp_size=tp[1],
         pp_rank=pp[0],
         pp_size=pp[1],
+        engine_tag=engine_tag,
+        model_fingerprint=model_fingerprint(vllm_config),
     )

@@ -43,12 +43,13 @@ class ConnectorSettings:
     lookup_timeout_s: float
     source: str
 
-    def store_config(self, layout: KVLayout) -> StoreConfig:
-        """The ``StoreConfig`` for ``layout`` (vLLM's); ``ConfigError`` if a tier cannot hold
-        one block of it."""
+    def store_config(self, layout: KVLayout, model_id: str, revision: str = "") -> StoreConfig:
+        """The ``StoreConfig`` for ``layout`` (vLLM's) and the weights' name; ``ConfigError``
+        if a tier cannot hold one block of it."""
         store = dict(self.raw.get("store", {}))
-        store.pop("model_id", None)  # carried by the identity, not the namespace fields
         store.update(
+            model_id=model_id,
+            revision=store.get("revision", revision),
             layers=layout.layers,
             kv_heads=layout.kv_heads,
             head_dim=layout.head_dim,
