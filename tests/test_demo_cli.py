@@ -10,7 +10,19 @@ import pytest
 
 from kvtier.cli.main import main
 
-SMALL = ["--sessions", "2", "--turns", "2", "--doc-tokens", "200", "--new-tokens", "2"]
+# the transformers mode (the default is vLLM when it is installed: tests/test_vllm_demo.py)
+SMALL = [
+    "--engine",
+    "hf",
+    "--sessions",
+    "2",
+    "--turns",
+    "2",
+    "--doc-tokens",
+    "200",
+    "--new-tokens",
+    "2",
+]
 
 BAD = [
     (["--sessions", "0"], "--sessions must be >= 1, got 0"),
@@ -50,6 +62,15 @@ def test_bad_demo_option_is_a_one_line_error(
     (nomt / "config.json").write_text('{"hidden_size": 8}')
     fill = {"nomt": str(nomt), "tmp": str(tmp_path)}
     args = [f.format(**fill) for f in flags]
+    if (
+        "--synthetic" not in flags
+        and "--warm" not in flags
+        and all(
+            not f.startswith(("--host", "--nvme", "--scale", "--layers")) or f == "--host-blocks"
+            for f in flags
+        )
+    ):
+        args = ["--engine", "hf", *args]
     rc = main(["demo", "--dir", str(tmp_path / "d"), *args])
     out, err = capsys.readouterr()
     assert rc == 2 and "Traceback" not in err, err

@@ -1,9 +1,11 @@
 """``kvtier demo``: the main job, on the embedded default (host DRAM + local NVMe, no servers).
 
-By default a real transformers model (a seeded random Llama-architecture model, or a local
-checkpoint with ``--model PATH``) serves multi-turn sessions; each turn prints its time to first
-token with kvtier and without it, where the reused prefix came from, and whether the output was
-bit-identical (``kvtier.cli.demo_model``). ``--synthetic`` instead pushes a larger mixed workload
+By default a real model (a seeded random Llama-architecture model, or a local checkpoint with
+``--model PATH``) serves multi-turn sessions; each turn prints its time to first token with
+kvtier and without it, where the reused prefix came from, and whether the output was identical.
+The sessions are served through vLLM with kvtier as its KV connector when vLLM is installed
+(``kvtier.cli.demo_vllm``), else (or with ``--engine hf``) through a transformers forward pass
+(``kvtier.cli.demo_model``). ``--synthetic`` instead pushes a larger mixed workload
 (chat, document QA, agents, one-offs) with synthetic KV through the store and checks every
 cached prefix against a recomputation (``kvtier.cli.demo_synthetic``).
 
@@ -28,6 +30,13 @@ _PIPE_WIDTH = 160
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--synthetic", action="store_true", help="mixed workload, synthetic KV")
+    p.add_argument(
+        "--engine",
+        choices=["vllm", "hf"],
+        default=None,
+        help="serve the real-model demo through vLLM (the default when it is installed) or "
+        "transformers",
+    )
     p.add_argument("--dir", default=".kvtier/demo", help="NVMe tier directory (wiped)")
     p.add_argument("--seed", type=int, default=0)
     demo_model.add_arguments(p)
@@ -55,5 +64,14 @@ def run(args: argparse.Namespace) -> int:
     if fallback:
         console.print("transformers is not installed: running the synthetic demo instead")
     if args.synthetic or fallback:
+        if args.engine is not None:
+            raise ConfigError("--engine applies to the real-model demo, not --synthetic")
         return demo_synthetic.run(console, args)
+    engine = args.engine or ("vllm" if importlib.util.find_spec("vllm") else "hf")
+    if engine == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError("--engine vllm: vLLM is not installed (scripts/setup.sh installs it)")
+        from kvtier.cli import demo_vllm
+
+        return demo_vllm.run(console, args)
     return demo_model.run(console, args)

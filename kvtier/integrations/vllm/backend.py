@@ -67,6 +67,10 @@ class KVBackend(Protocol):
 
     def lease(self, tokens: np.ndarray[Any, Any], scope: Scope, start: int = 0) -> Lease: ...
 
+    def tier_hits(self) -> dict[str, int]:
+        """Blocks served per tier since start (for reports)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -105,6 +109,10 @@ class LocalBackend:
     def lease(self, tokens: np.ndarray[Any, Any], scope: Scope, start: int = 0) -> Lease:
         lease: Lease = self._store.lease(tokens, **self._kw(scope, start))
         return lease
+
+    def tier_hits(self) -> dict[str, int]:
+        tiers = self._store.stats()["tiers"]
+        return {name: int(t.get("hits", 0)) for name, t in tiers.items()}
 
     def close(self) -> None:
         self._store.close()

@@ -134,4 +134,5 @@ class WorkerSide:
             "save_failures": self.save_failures,
             "load_s": round(self.load_s, 4),
             "save_s": round(self.save_s, 4),
+            "tier_hits": self.backend.tier_hits(),
         }
