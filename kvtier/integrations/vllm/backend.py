@@ -124,7 +124,7 @@ def open_local(config: Any, identity: Any) -> LocalBackend:
     from kvtier.store import TieredStore
     from kvtier.tiers.registry import make_tiers
 
-    tiers = make_tiers(config.layout, config.tiers)
+    tiers = make_tiers(config.layout, config.tiers, secret=config.secret)
     try:
         store = TieredStore(
             config.layout,
