@@ -181,6 +181,40 @@ def test_warm_restart_serves_from_nvme(
         _shutdown(llm)
 
 
+def test_corrupt_blocks_on_nvme_are_recomputed_identically(
+    model: Path, store_root: Path, reference: Any
+) -> None:
+    """Damage every block the earlier engines left on NVMe, then serve from a new engine: the
+    index still lists them, every read fails its checksum, vLLM recomputes: same tokens."""
+    import os
+
+    from kvtier.integrations.vllm.lookup_rpc import LookupClient
+
+    files = [f for f in (store_root / "nvme").rglob("*") if f.is_file()]
+    big = max(files, key=lambda f: f.stat().st_size)  # the slots file
+    with big.open("r+b") as fh:
+        size = big.stat().st_size
+        for off in range(4096, size, 64 << 10):
+            fh.seek(off)
+            fh.write(os.urandom(32))
+    llm = H.engine(
+        model, _config(store_root), kv_bytes=KV_BYTES, max_num_batched_tokens=BATCH,
+        max_model_len=8192,
+    )  # fmt: skip
+    try:
+        o = _run(llm, _prompts()["q2"])
+        assert list(o.outputs[0].token_ids) == reference["q2"][0]
+        engine_id = str(llm.llm_engine.vllm_config.kv_transfer_config.engine_id)
+        client = LookupClient(engine_id, 1, 5.0)
+        try:
+            st = client.stats()[0]
+        finally:
+            client.close()
+        assert st["loaded_tokens"] == 0  # nothing damaged reached a page
+    finally:
+        _shutdown(llm)
+
+
 def test_bad_config_refuses_to_start_naming_the_setting(
     model: Path, store_root: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:

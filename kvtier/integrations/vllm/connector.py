@@ -158,6 +158,10 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._sched is not None
         return self._sched.build(scheduler_output)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._sched is not None:
+            self._sched.load_failed(set(getattr(connector_output, "invalid_block_ids", ()) or ()))
+
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:

@@ -172,6 +172,20 @@ class SchedulerSide:
                     st.held = done
         return meta
 
+    def load_failed(self, block_ids: set[int]) -> None:
+        """Pages a worker could not load (vLLM recomputes them): kvtier does not hold those
+        blocks after all, so saving restarts at the first one."""
+        if not block_ids or self.kv_cache_manager is None:
+            return
+        for req_id, st in self._reqs.items():
+            try:
+                pages = self._pages(req_id)
+            except (KeyError, AssertionError):  # a request vLLM no longer holds pages for
+                continue
+            bad = [i for i, p in enumerate(pages) if p in block_ids]
+            if bad:
+                st.held = min(st.held, bad[0] * self._bs // self._bt * self._bt)
+
     def stats(self) -> dict[str, int]:
         return {
             "lookups": self.lookups,
