@@ -91,6 +91,8 @@ def test_model_demo_is_the_default(tmp_path: object, capsys: pytest.CaptureFixtu
     rc = main(
         [
             "demo",
+            "--engine",  # the transformers mode; through vLLM: tests/test_vllm_demo.py
+            "hf",
             "--dir",
             str(tmp_path),
             "--sessions",
