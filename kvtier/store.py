@@ -30,7 +30,7 @@ from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import asdict
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.config import StoreConfig
 from kvtier.errors import LayoutError
@@ -39,6 +39,9 @@ from kvtier.kvarray import host_array
 from kvtier.lease import Lease
 from kvtier.readpath import ReadPath
 from kvtier.tiers.base import Array
+
+if TYPE_CHECKING:
+    from kvtier.service.client import ServiceClient
 
 
 class TieredStore(ReadPath):
@@ -77,6 +80,16 @@ class TieredStore(ReadPath):
             for t in tiers:
                 t.close()
             raise
+
+    @classmethod
+    def connect(cls, url: str, **kwargs: Any) -> ServiceClient:
+        """A client of the node-local kvtier service (``kvtier serve``) at ``url``
+        (``unix:///path/kvtier.sock``) with this class's API: ``kvtier.service.client.connect``
+        (keywords: ``identity``/``model_id``, ``tenant``, ``layout``, ``timeout``). Needs the
+        ``service`` extra (pyzmq)."""
+        from kvtier.service.client import connect
+
+        return connect(url, **kwargs)
 
     def lookup(
         self,

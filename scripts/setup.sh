@@ -16,7 +16,7 @@ stale() {
 }
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] || stale; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e '.[hf,redis,s3,crypto,mooncake,dev]'
+  .venv/bin/python -m pip install -q -e '.[hf,redis,s3,crypto,mooncake,service,dev]'
   .venv/bin/python -c 'import kvtier._native as n; n.compiled() or print("note: kvtier is pure" \
     " Python here (KVTIER_PURE set, or compiling failed: pip install -v -e . says why)")'
   touch "$stamp"

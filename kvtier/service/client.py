@@ -1,0 +1,556 @@
+"""``ServiceClient``: the engine side of ``kvtier serve`` -- the ``TieredStore`` API over a socket.
+
+``connect(url, identity=...)`` registers the engine's ``Identity`` (the service derives every key
+from it; a client never sends a key) and maps the session's shared staging region. Then
+``lookup/load/store/prefetch/lease/pin/stats/flush`` take the same arguments and return the same
+values as ``TieredStore``'s.
+
+Data path: a ``store`` copies the KV into the staging region and the service's store copies it
+from there into the host tier; a ``load`` is the reverse. An engine that gathers its pages
+straight into ``buffer(tokens)`` (a view of the staging region) and passes that buffer saves the
+staging copy: the service reads (or fills) it in place. Transfers larger than the region go in
+block-aligned chunks.
+
+Failure: every call waits at most ``timeout`` seconds. A service that is down, restarting or
+stalled makes calls misses (``lookup``/``load`` return ``start``, ``store`` returns 0, a lease holds
+nothing), never an exception or a hang; a background thread keeps the session alive
+(heartbeat) and reconnects when the service is back. Caller mistakes (bad tokens, a wrong
+array, a bad tenant) raise the same ``TokenError``/``LayoutError``/``ConfigError`` as in-process.
+
+Thread-safe: calls of one client are serialised (one staging region).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zmq
+
+from kvtier.errors import ConfigError, LayoutError
+from kvtier.identity import Identity
+from kvtier.keys import TokenIds
+from kvtier.kvarray import host_array
+from kvtier.layout import KVLayout
+from kvtier.lease import Lease
+from kvtier.service.protocol import VERSION, endpoint, pack, raise_error, socket_path, unpack
+from kvtier.service.staging import Staging
+from kvtier.tiers.base import Array
+
+log = logging.getLogger(__name__)
+_RETRY_S = 0.5  # how often a client whose service is down tries to reconnect
+
+
+@dataclass(slots=True)
+class _Link:
+    """One registered session: its socket, id and mapped staging region."""
+
+    sock: zmq.Socket[bytes]
+    sid: bytes
+    staging: Staging
+    lease_ttl: float
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.staging.close()
+
+
+class ServiceClient:
+    """A connection to a kvtier service with ``TieredStore``'s API. Use ``connect``."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        identity: Identity | None = None,
+        tenant: str | None = None,
+        layout: KVLayout | None = None,
+        timeout: float = 5.0,
+        name: str = "",
+    ) -> None:
+        self.url = url
+        self._endpoint = endpoint(url)
+        path = socket_path(url)
+        if os.path.lexists(path) and not os.access(path, os.W_OK):
+            st = os.stat(path)
+            raise ConfigError(
+                f"no permission to connect to {path} (mode {st.st_mode & 0o777:o}, uid "
+                f"{st.st_uid}, gid {st.st_gid}): run as its owner, or set [service] group and "
+                "add this user to it"
+            )
+        if identity is not None and not isinstance(identity, Identity):
+            raise ConfigError(f"identity: expected a kvtier Identity, got {identity!r}")
+        if not (isinstance(timeout, int | float) and timeout > 0):
+            raise ConfigError(f"timeout: expected seconds > 0, got {timeout!r}")
+        self.identity = identity
+        self.timeout = float(timeout)
+        self.name = name
+        self._tenant = tenant
+        self.tenant = tenant or "default"
+        self._layout = layout
+        self._ctx = zmq.Context()
+        self._lock = threading.RLock()
+        self._link: _Link | None = None
+        self._next_id = 0
+        self._last_ok = 0.0
+        self._closed = threading.Event()
+        self.counters = {"connects": 0, "timeouts": 0, "down_calls": 0}
+        self._install(self._hello())
+        self._beat = threading.Thread(target=self._heartbeat, name="kvtier-client", daemon=True)
+        self._beat.start()
+
+    # -- connection ------------------------------------------------------------------------
+    @property
+    def layout(self) -> KVLayout:
+        """The service's layout; ``ConfigError`` if it was never reached and none was given."""
+        if self._layout is None:
+            raise ConfigError(
+                f"the kvtier service at {self.url} has not answered yet, so its layout is "
+                "unknown: start `kvtier serve`, or pass layout= to connect"
+            )
+        return self._layout
+
+    @property
+    def connected(self) -> bool:
+        return self._link is not None
+
+    def _request_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _roundtrip(
+        self, sock: zmq.Socket[bytes], req: dict[str, Any], tokens: bytes | None, timeout: float
+    ) -> dict[str, Any] | None:
+        """Send ``req`` and wait for its reply (late replies to earlier calls are dropped);
+        ``None`` after ``timeout`` seconds."""
+        req_id = req["id"]
+        sock.send_multipart([pack(req)] if tokens is None else [pack(req), tokens], copy=False)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                return None
+            try:
+                reply = unpack(sock.recv())
+            except ValueError:
+                continue
+            if reply.get("id") == req_id:
+                return reply
+
+    def _hello(self) -> _Link | None:
+        """Register a session on a fresh socket; ``None`` if the service does not answer."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self._endpoint)
+        req: dict[str, Any] = {
+            "op": "hello",
+            "id": 0,
+            "version": VERSION,
+            "identity": None if self.identity is None else _fields(self.identity),
+            "tenant": self._tenant,
+            "pid": os.getpid(),
+            "name": self.name,
+        }
+        staging: Staging | None = None
+        try:
+            reply = self._roundtrip(sock, req, None, self.timeout)
+            if reply is None:
+                sock.close(0)
+                return None
+            if "error" in reply:
+                raise_error(reply)
+                raise ConfigError(f"the service refused the session: {reply.get('message')}")
+            layout = KVLayout(**reply["layout"])
+            if self._layout is not None and layout != self._layout:
+                raise LayoutError(
+                    f"the kvtier service at {self.url} stores {layout}, this engine has "
+                    f"{self._layout}: point it at a service configured for this model"
+                )
+            if reply["staging_bytes"] < layout.block_bytes:
+                raise ConfigError(
+                    f"[service] staging ({reply['staging_bytes']} bytes) is smaller than one "
+                    f"block ({layout.block_bytes} bytes): raise it"
+                )
+            staging = Staging.attach(reply["staging"], reply["staging_bytes"])
+            sid = reply["sid"]
+            done = self._roundtrip(sock, {"op": "attach", "id": 1, "sid": sid}, None, self.timeout)
+            if done is None or "error" in done:
+                raise OSError("the service did not confirm the staging region")
+        except BaseException as exc:
+            sock.close(0)
+            if staging is not None:
+                staging.close()
+            if isinstance(exc, OSError | KeyError | TypeError):
+                log.warning("kvtier service at %s: cannot set up a session: %s", self.url, exc)
+                return None
+            raise
+        self._layout = layout
+        self.tenant = reply["tenant"]
+        return _Link(sock, sid, staging, float(reply["lease_ttl"]))
+
+    def _install(self, link: _Link | None) -> None:
+        with self._lock:
+            if self._link is not None:
+                self._link.close()
+            self._link = link
+            if link is not None:
+                self.counters["connects"] += 1
+                self._last_ok = time.monotonic()
+
+    def _drop(self, why: str) -> None:
+        """Forget the session (under the lock): misses until the heartbeat reconnects."""
+        if self._link is not None:
+            log.warning("kvtier service at %s: %s; serving misses until it is back", self.url, why)
+            self._link.close()
+            self._link = None
+
+    def _heartbeat(self) -> None:
+        while not self._closed.wait(_RETRY_S if self._link is None else self._beat_s()):
+            if self._link is None:
+                try:
+                    link = self._hello()
+                except Exception as exc:  # a config mismatch: keep serving misses, say why
+                    log.error("kvtier service at %s: %s", self.url, exc)
+                    continue
+                if link is not None and not self._closed.is_set():
+                    self._install(link)
+                elif link is not None:
+                    link.close()
+            elif time.monotonic() - self._last_ok >= self._beat_s():
+                self._call("ping", {})
+
+    def _beat_s(self) -> float:
+        link = self._link
+        return (link.lease_ttl if link else 3.0) / 3
+
+    def _call(
+        self, op: str, fields: dict[str, Any], tokens: bytes | None = None
+    ) -> dict[str, Any] | None:
+        """One request on the current session; its reply, or ``None`` (a miss) when the
+        service is down or does not answer in time. Raises the caller's mistakes."""
+        with self._lock:
+            link = self._link
+            if link is None:
+                self.counters["down_calls"] += 1
+                return None
+            req = {"op": op, "id": self._request_id(), "sid": link.sid, **fields}
+            reply = self._roundtrip(link.sock, req, tokens, self.timeout)
+            if reply is None:
+                self.counters["timeouts"] += 1
+                # the abandoned call may still write into this staging region: a new one
+                self._drop(f"{op} timed out after {self.timeout:g} s")
+                return None
+            self._last_ok = time.monotonic()
+            if "error" in reply:
+                if reply["error"] == "session":
+                    self._drop("the service restarted")
+                    return None
+                raise_error(reply)
+                log.warning("kvtier service: %s failed: %s", op, reply.get("message"))
+                return None
+            return reply
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _scope(
+        self, tenant: str | None, adapter: str | None, salt: str | bytes | None, start: int
+    ) -> dict[str, Any]:
+        return {"tenant": tenant, "adapter": adapter, "salt": salt, "start": start}
+
+    def _check_start(self, start: object, n_tokens: int) -> int:
+        bt = self.layout.block_tokens
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0 or start % bt:
+            raise LayoutError(
+                f"start must be a non-negative multiple of block_tokens ({bt}), got {start!r}"
+            )
+        if start > n_tokens:
+            raise LayoutError(f"start {start} is past the {n_tokens} tokens given")
+        return start
+
+    def _chunk_tokens(self, link: _Link) -> int:
+        lay = self.layout
+        return (link.staging.nbytes // lay.block_bytes) * lay.block_tokens
+
+    def buffer(self, tokens: int) -> Array:
+        """A KV array for ``tokens`` tokens in the staging region (``None``-free: raises
+        ``ConfigError`` when the service is unreachable or the region is too small). A
+        ``store`` of it or a ``load`` into it makes no staging copy. Its contents are valid
+        until the next ``load``/``store`` of another array, and only for this session."""
+        link = self._link
+        if link is None:
+            raise ConfigError(f"the kvtier service at {self.url} is not connected")
+        if tokens * self.layout.bytes_per_token > link.staging.nbytes:
+            raise ConfigError(
+                f"{tokens} tokens do not fit the {link.staging.nbytes}-byte staging region; "
+                "raise [service] staging"
+            )
+        return link.staging.view(self.layout, 0, tokens)
+
+    # -- the store API -----------------------------------------------------------------------
+    def lookup(
+        self,
+        tokens: Any,
+        tenant: str | None = None,
+        *,
+        adapter: str | None = None,
+        salt: str | bytes | None = None,
+        start: int = 0,
+    ) -> int:
+        """As ``TieredStore.lookup``; ``start`` when the service is unreachable."""
+        toks = TokenIds(tokens)
+        self._check_start(start, len(toks))
+        reply = self._call(
+            "lookup", self._scope(tenant, adapter, salt, start), toks.chunk(0, len(toks))
+        )
+        return start if reply is None else int(reply["end"])
+
+    def prefetch(
+        self,
+        tokens: Any,
+        tenant: str | None = None,
+        *,
+        adapter: str | None = None,
+        salt: str | bytes | None = None,
+        start: int = 0,
+    ) -> int:
+        """As ``TieredStore.prefetch``; 0 when the service is unreachable."""
+        toks = TokenIds(tokens)
+        self._check_start(start, len(toks))
+        reply = self._call(
+            "prefetch", self._scope(tenant, adapter, salt, start), toks.chunk(0, len(toks))
+        )
+        return 0 if reply is None else int(reply["tokens"])
+
+    def load(
+        self,
+        tokens: Any,
+        out: Any,
+        tenant: str | None = None,
+        *,
+        adapter: str | None = None,
+        salt: str | bytes | None = None,
+        start: int = 0,
+    ) -> int:
+        """As ``TieredStore.load``: fill ``out`` from ``start``, return the absolute end
+        (``start`` when nothing, or when the service is unreachable)."""
+        lay = self.layout
+        toks = TokenIds(tokens)
+        arr = host_array(out, lay, "out", writable=True)
+        self._check_start(start, len(toks))
+        bt = lay.block_tokens
+        want = (len(toks) // bt) * bt - start
+        if arr.shape[2] < want:
+            raise LayoutError(
+                f"out holds {arr.shape[2]} tokens but the {len(toks)} tokens given cover "
+                f"{want} tokens of full blocks from {start}; pass a larger out or "
+                f"tokens[:{start + arr.shape[2]}]"
+            )
+        raw = toks.chunk(0, start + want)
+        with self._lock:
+            link = self._link
+            if link is None or want <= 0:
+                self.counters["down_calls"] += link is None
+                return start
+            scope = self._scope(tenant, adapter, salt, start)
+            off = link.staging.offset_of(arr)
+            if off is not None:  # the engine gathered into our buffer: no staging copy
+                reply = self._call("load", {**scope, "off": off, "n": arr.shape[2]}, raw)
+                return start if reply is None else int(reply["end"])
+            step = self._chunk_tokens(link)
+            end = start
+            for pos in range(0, want, step):
+                n = min(step, want - pos)
+                scope["start"] = start + pos
+                reply = self._call(
+                    "load", {**scope, "off": 0, "n": n}, raw[: 4 * (start + pos + n)]
+                )
+                if reply is None:
+                    break
+                got = int(reply["end"]) - (start + pos)
+                if got > 0:
+                    np.copyto(arr[:, :, pos : pos + got], link.staging.view(lay, 0, n)[:, :, :got])
+                end = start + pos + got
+                if got < n:
+                    break
+            return end
+
+    def store(
+        self,
+        tokens: Any,
+        kv: Any,
+        tenant: str | None = None,
+        *,
+        adapter: str | None = None,
+        salt: str | bytes | None = None,
+        start: int = 0,
+        reuse_class: Hashable | None = None,
+    ) -> int:
+        """As ``TieredStore.store``: store the full blocks of ``kv`` (covering
+        ``tokens[start:]``), return the tokens written (0 when the service is unreachable)."""
+        lay = self.layout
+        toks = TokenIds(tokens)
+        arr = host_array(kv, lay, "kv")
+        self._check_start(start, len(toks))
+        if start + arr.shape[2] > len(toks):
+            raise LayoutError(
+                f"kv covers {arr.shape[2]} tokens from {start} but only {len(toks)} token ids "
+                "were given"
+            )
+        if not (reuse_class is None or isinstance(reuse_class, str | int | tuple)):
+            raise ConfigError(
+                f"reuse_class: over the service a str, int or tuple, got {reuse_class!r}"
+            )
+        toks.validate()
+        bt = lay.block_tokens
+        have = (arr.shape[2] // bt) * bt
+        raw = toks.chunk(0, start + have)
+        with self._lock:
+            link = self._link
+            if link is None or have == 0:
+                self.counters["down_calls"] += link is None
+                return 0
+            scope = {**self._scope(tenant, adapter, salt, start), "reuse_class": reuse_class}
+            off = link.staging.offset_of(arr)
+            if off is not None:  # the engine gathered into our buffer: no staging copy
+                reply = self._call("store", {**scope, "off": off, "n": arr.shape[2]}, raw)
+                return 0 if reply is None else int(reply["written"])
+            step = self._chunk_tokens(link)
+            written = 0
+            for pos in range(0, have, step):
+                n = min(step, have - pos)
+                np.copyto(link.staging.view(lay, 0, n), arr[:, :, pos : pos + n])
+                scope["start"] = start + pos
+                reply = self._call(
+                    "store", {**scope, "off": 0, "n": n}, raw[: 4 * (start + pos + n)]
+                )
+                if reply is None:
+                    break
+                written += int(reply["written"])
+            return written
+
+    def lease(
+        self,
+        tokens: Any,
+        tenant: str | None = None,
+        *,
+        adapter: str | None = None,
+        salt: str | bytes | None = None,
+        start: int = 0,
+    ) -> Lease:
+        """As ``TieredStore.lease``; the lease belongs to this session (released by the
+        service if this process dies). Holds nothing when the service is unreachable."""
+        toks = TokenIds(tokens)
+        self._check_start(start, len(toks))
+        reply = self._call(
+            "lease", self._scope(tenant, adapter, salt, start), toks.chunk(0, len(toks))
+        )
+        if reply is None:
+            return Lease(start, start, lambda: None)
+        sid = self._link.sid if self._link is not None else b""
+        lid = int(reply["lid"])
+        return Lease(int(reply["start"]), int(reply["end"]), lambda: self._release(sid, lid))
+
+    def _release(self, sid: bytes, lid: int) -> None:
+        with self._lock:
+            if self._link is not None and self._link.sid == sid:
+                self._call("release", {"lid": lid})
+            # else: that session is gone, and the service released its leases with it
+
+    @contextlib.contextmanager
+    def pin(
+        self,
+        tokens: Any,
+        tenant: str | None = None,
+        *,
+        adapter: str | None = None,
+        salt: str | bytes | None = None,
+    ) -> Iterator[int]:
+        """As ``TieredStore.pin``."""
+        with self.lease(tokens, tenant, adapter=adapter, salt=salt) as held:
+            yield held.end
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait (at most ``timeout``, and this client's call timeout) until the service's
+        pending moves have completed."""
+        self._call("flush", {"timeout": timeout})
+
+    def stats(self) -> dict[str, Any]:
+        """The service's ``stats()`` (its store's, plus ``service``: every session's
+        counters), and ``client``: this connection's state. Only ``client`` when the service
+        is unreachable."""
+        reply = self._call("stats", {})
+        out: dict[str, Any] = {} if reply is None else dict(reply["stats"])
+        out["client"] = {"url": self.url, "connected": self.connected, **self.counters}
+        return out
+
+    def close(self) -> None:
+        """End the session (its leases are released) and the heartbeat. Idempotent."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._beat.join(timeout=self.timeout + 1)
+        with self._lock:
+            if self._link is not None:
+                with contextlib.suppress(Exception):
+                    link = self._link
+                    self._roundtrip(
+                        link.sock,
+                        {"op": "bye", "id": self._request_id(), "sid": link.sid},
+                        None,
+                        min(self.timeout, 1.0),
+                    )
+                self._link.close()
+                self._link = None
+        self._ctx.term()
+
+    def __enter__(self) -> ServiceClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _fields(identity: Identity) -> dict[str, Any]:
+    return identity.describe()
+
+
+def connect(
+    url: str,
+    identity: Identity | None = None,
+    *,
+    model_id: str = "",
+    revision: str = "",
+    tenant: str | None = None,
+    layout: KVLayout | None = None,
+    timeout: float = 5.0,
+    name: str = "",
+) -> ServiceClient:
+    """A client of the kvtier service at ``url`` (``unix:///path/kvtier.sock``).
+
+    ``identity`` (or the short form ``model_id``/``revision``) says whose KV this engine's
+    blocks are; omitted, the service's ``[store]`` identity applies. ``tenant`` is the default
+    tenant of calls that name none (the service's default otherwise). ``layout``, when given,
+    must match the service's (``LayoutError`` otherwise) and lets the client start while the
+    service is down (misses until it is up); without it an unreachable service raises
+    ``ConfigError``. ``timeout`` bounds every call (seconds).
+    """
+    if model_id or revision:
+        if identity is not None:
+            raise ConfigError("give either identity= or model_id=/revision=, not both")
+        identity = Identity(model_id, revision=revision)
+    client = ServiceClient(
+        url, identity=identity, tenant=tenant, layout=layout, timeout=timeout, name=name
+    )
+    if not client.connected and layout is None:
+        client.close()
+        raise ConfigError(
+            f"the kvtier service at {url} does not answer: start `kvtier serve --url {url}`, "
+            "or pass layout= to start serving misses until it is up"
+        )
+    return client
