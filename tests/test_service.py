@@ -1,0 +1,235 @@
+"""The node-local service with real processes: ``kvtier serve`` and client processes sharing it,
+killed with SIGKILL mid-transfer, a service killed and restarted, foreign identities, a busy or
+stale socket."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+pytest.importorskip("zmq")
+
+from kvtier.errors import ConfigError, LayoutError, TokenError
+from kvtier.service.client import ServiceClient, connect
+from kvtier.store import TieredStore
+from tests.service_helpers import (
+    LAYOUT,
+    ServiceProc,
+    client_proc,
+    env,
+    kill9,
+    prompt,
+    wait_line,
+)
+
+BT = LAYOUT.block_tokens
+
+
+def until(cond: Callable[[], bool], timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+@pytest.fixture
+def service() -> Iterator[ServiceProc]:
+    svc = ServiceProc(host="256KiB", lease_ttl=2.0, timeout=1.0)  # 64 blocks of 4 KiB
+    svc.start()
+    yield svc
+    svc.cleanup()
+
+
+@pytest.fixture
+def client(service: ServiceProc) -> Iterator[ServiceClient]:
+    with connect(service.url, timeout=service.timeout) as c:
+        yield c
+
+
+def sessions(c: ServiceClient) -> dict[str, dict[str, object]]:
+    out: dict[str, dict[str, object]] = c.stats()["service"]["sessions"]
+    return out
+
+
+def test_socket_is_owner_only(service: ServiceProc) -> None:
+    mode = os.stat(service.sock).st_mode
+    assert stat.S_ISSOCK(mode) and mode & 0o777 == 0o600
+
+
+def test_two_processes_share_a_prefix_byte_identical(
+    service: ServiceProc, client: ServiceClient
+) -> None:
+    writer = client_proc(service.url, "store", 0, 2, 10 * BT + 5)
+    wait_line(writer, "done")
+    kill9(writer)
+    reader = client_proc(service.url, "load", 0, 2, 10 * BT + 5)
+    assert wait_line(reader, "loaded 0") == f"loaded 0 {10 * BT}"  # checked byte for byte
+    assert wait_line(reader, "loaded 1") == f"loaded 1 {10 * BT}"
+    kill9(reader)
+    tokens, kv = prompt(0, 10 * BT + 5)  # and in this process, from an offset
+    out = np.zeros(LAYOUT.kv_shape(6 * BT), np.float16)
+    assert client.load(tokens, out, start=4 * BT) == 10 * BT
+    assert np.array_equal(out, kv[:, :, 4 * BT : 10 * BT])
+
+
+def test_store_and_load_from_the_staging_buffer(client: ServiceClient) -> None:
+    tokens, kv = prompt(7, 8 * BT)
+    buf = client.buffer(8 * BT)  # the engine gathers straight into the shared region
+    buf[...] = kv
+    assert client.store(tokens, buf) == 8 * BT
+    buf[...] = 0
+    assert client.load(tokens, buf) == 8 * BT
+    assert np.array_equal(buf, kv)
+    # larger than the staging region (64 KiB = 16 blocks): chunked, same bytes
+    tokens, kv = prompt(8, 40 * BT)
+    assert client.store(tokens, kv) == 40 * BT
+    out = np.zeros_like(kv)
+    assert client.load(tokens, out) == 40 * BT
+    assert np.array_equal(out, kv)
+
+
+def test_another_identity_gets_no_hits(service: ServiceProc, client: ServiceClient) -> None:
+    tokens, kv = prompt(1, 4 * BT)
+    assert client.store(tokens, kv) == 4 * BT
+    assert client.lookup(tokens) == 4 * BT
+    other = client_proc(service.url, "model", "other/model", 1, 4 * BT)
+    assert wait_line(other, "lookup") == "lookup 0"
+    assert wait_line(other, "load") == "load 0"
+    kill9(other)
+    with connect(service.url, model_id="test/model", revision="v2") as c2:
+        assert c2.lookup(tokens) == 0
+    assert client.lookup(tokens, tenant="bob") == 0  # tenants stay apart too
+
+
+def test_caller_mistakes_raise_the_same_errors(client: ServiceClient) -> None:
+    tokens, kv = prompt(2, 2 * BT)
+    with pytest.raises(TokenError):
+        client.lookup([-1] * BT)
+    with pytest.raises(LayoutError):
+        client.store(tokens, kv.astype(np.float32))
+    with pytest.raises(LayoutError):
+        client.load(tokens, np.zeros(LAYOUT.kv_shape(BT), np.float16))
+    with pytest.raises(ConfigError):  # raised by the service, re-raised here
+        client.lookup(tokens, tenant="")
+    assert client.lookup(tokens) == 0  # nothing was stored
+    with pytest.raises(LayoutError):
+        connect(client.url, layout=LAYOUT.__class__(layers=3, kv_heads=2, head_dim=16))
+
+
+def test_killed_client_releases_its_lease(service: ServiceProc, client: ServiceClient) -> None:
+    holder = client_proc(service.url, "lease", 3, 56 * BT)  # pins 56 of the 64 slots
+    assert wait_line(holder, "held") == f"held {56 * BT}"
+    assert [s["leases"] for s in sessions(client).values() if s["name"] == "test-lease"] == [1]
+    tokens, kv = prompt(4, 16 * BT)  # one staging region's worth: a single call
+    assert client.store(tokens, kv) == 8 * BT  # only the unpinned room
+    kill9(holder)
+    assert until(lambda: all(s["name"] != "test-lease" for s in sessions(client).values()))
+    assert client.store(tokens, kv) == 8 * BT  # the pins are gone: the rest fits now
+    assert client.lookup(tokens) == 16 * BT
+
+
+def test_client_killed_mid_store_and_mid_load(service: ServiceProc, client: ServiceClient) -> None:
+    n = 6 * BT + 3
+    writer = client_proc(service.url, "store", 100, 0, n)  # stores until killed
+    wait_line(writer, "stored 102")
+    reader = client_proc(service.url, "load", 100, 0, n)  # loads until killed
+    wait_line(reader, "loaded 101")
+    kill9(writer)
+    kill9(reader)
+    # every visible block is whole: whatever a lookup promises loads verified, byte-identical
+    for i in range(100, 140):
+        tokens, kv = prompt(i, n)
+        out = np.zeros_like(kv)
+        end = client.load(tokens, out)
+        assert np.array_equal(out[:, :, :end], kv[:, :, :end]), i
+    assert until(lambda: {str(s["name"]) for s in sessions(client).values()} == {""})
+    tokens, kv = prompt(200, 4 * BT)  # the service serves on, for everyone
+    assert client.store(tokens, kv) == 4 * BT and client.lookup(tokens) == 4 * BT
+
+
+def test_service_killed_and_restarted_serves_misses_then_warm_hits() -> None:
+    svc = ServiceProc(host="64KiB", nvme="1MiB", lease_ttl=2.0, timeout=1.0)  # 16 host slots
+    try:
+        svc.start()
+        c = connect(svc.url, timeout=svc.timeout, layout=LAYOUT)
+        tokens, kv = prompt(5, 8 * BT)
+        assert c.store(tokens, kv) == 8 * BT
+        filler, fkv = prompt(6, 16 * BT)
+        assert c.store(filler, fkv) == 16 * BT  # pushes prompt 5 down to NVMe
+        c.flush(5.0)
+        svc.kill()
+        assert c.lookup(tokens) == 0  # a miss after at most the timeout, never an exception
+        assert c.store(tokens, kv) == 0
+        out = np.zeros_like(kv)
+        assert c.load(tokens, out) == 0
+        with c.lease(tokens) as held:
+            assert held.end == 0
+        assert not c.connected and c.stats()["client"]["timeouts"] >= 1
+        svc.start()  # the stale socket file is replaced
+        assert until(lambda: c.connected)
+        assert c.lookup(tokens) == 8 * BT  # NVMe kept it across the crash
+        assert c.load(tokens, out) == 8 * BT and np.array_equal(out, kv)
+        c.close()
+    finally:
+        svc.cleanup()
+
+
+def test_client_started_before_the_service_connects_later() -> None:
+    svc = ServiceProc()
+    try:
+        with pytest.raises(ConfigError, match="does not answer"):
+            connect(svc.url, timeout=0.2)
+        c = TieredStore.connect(svc.url, timeout=1.0, layout=LAYOUT)
+        tokens, kv = prompt(9, 2 * BT)
+        assert c.store(tokens, kv) == 0 and c.lookup(tokens) == 0
+        svc.start()
+        assert until(lambda: c.connected)
+        assert c.store(tokens, kv) == 2 * BT and c.lookup(tokens) == 2 * BT
+        c.close()
+    finally:
+        svc.cleanup()
+
+
+def _serve(svc: ServiceProc) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", "serve", "--config", svc.config],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_second_service_on_the_same_socket_is_refused(service: ServiceProc) -> None:
+    second = _serve(service)
+    assert second.returncode == 2
+    assert f"another kvtier service (pid {service.proc.pid}) is serving" in second.stderr  # type: ignore[union-attr]
+    assert service.proc is not None and service.proc.poll() is None  # the first serves on
+
+
+def test_stale_socket_is_replaced_and_a_foreign_file_refused() -> None:
+    svc = ServiceProc()
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(svc.sock)  # a socket file nobody accepts on: a crashed service's
+        s.close()
+        svc.start()
+        with connect(svc.url, timeout=2.0) as c:
+            assert c.connected
+        svc.stop()
+        with open(svc.sock, "w") as f:
+            f.write("not a socket")
+        out = _serve(svc)
+        assert out.returncode == 2 and "exists and is not a socket" in out.stderr
+    finally:
+        svc.cleanup()
