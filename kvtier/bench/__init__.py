@@ -15,4 +15,5 @@ BENCHES: dict[str, str] = {
     "redis": "kvtier.bench.redis",
     "s3": "kvtier.bench.s3",
     "mooncake": "kvtier.bench.mooncake",
+    "service": "kvtier.bench.service",
 }

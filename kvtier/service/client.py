@@ -46,6 +46,8 @@ from kvtier.tiers.base import Array
 
 log = logging.getLogger(__name__)
 _RETRY_S = 0.5  # how often a client whose service is down tries to reconnect
+_ZERO_COPY_BYTES = 1 << 16
+_PROBE_BLOCKS = 16  # a lookup first sends this many blocks' tokens (a miss is cheap)
 
 
 @dataclass(slots=True)
@@ -131,7 +133,12 @@ class ServiceClient:
         """Send ``req`` and wait for its reply (late replies to earlier calls are dropped);
         ``None`` after ``timeout`` seconds."""
         req_id = req["id"]
-        sock.send_multipart([pack(req)] if tokens is None else [pack(req), tokens], copy=False)
+        if tokens is None or len(tokens) < _ZERO_COPY_BYTES:  # one small frame
+            if tokens is not None:
+                req["tokens"] = tokens
+            sock.send(pack(req))
+        else:  # the token ids as a frame of their own, not copied into the header
+            sock.send_multipart([pack(req), tokens], copy=False)
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -302,12 +309,20 @@ class ServiceClient:
         salt: str | bytes | None = None,
         start: int = 0,
     ) -> int:
-        """As ``TieredStore.lookup``; ``start`` when the service is unreachable."""
+        """As ``TieredStore.lookup``; ``start`` when the service is unreachable.
+
+        A long prompt is asked about in two steps: its first ``_PROBE_BLOCKS`` blocks after
+        ``start``, then (only if they are all cached) the whole prompt, so a miss does not pay
+        for converting and sending every token id."""
         toks = TokenIds(tokens)
         self._check_start(start, len(toks))
-        reply = self._call(
-            "lookup", self._scope(tenant, adapter, salt, start), toks.chunk(0, len(toks))
-        )
+        scope = self._scope(tenant, adapter, salt, start)
+        probe = start + _PROBE_BLOCKS * self.layout.block_tokens
+        if len(toks) > probe:
+            reply = self._call("lookup", scope, toks.chunk(0, probe))
+            if reply is None or int(reply["end"]) < probe:
+                return start if reply is None else int(reply["end"])
+        reply = self._call("lookup", scope, toks.chunk(0, len(toks)))
         return start if reply is None else int(reply["end"])
 
     def prefetch(
@@ -474,6 +489,10 @@ class ServiceClient:
         """As ``TieredStore.pin``."""
         with self.lease(tokens, tenant, adapter=adapter, salt=salt) as held:
             yield held.end
+
+    def ping(self) -> bool:
+        """One empty round trip (renews the session); ``False`` when unreachable."""
+        return self._call("ping", {}) is not None
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait (at most ``timeout``, and this client's call timeout) until the service's

@@ -4,8 +4,9 @@ A request is a ZeroMQ multipart message ``[header, tokens?]``: ``header`` is a m
 ``op`` (the operation), ``id`` (a client-chosen request number echoed in the reply, so a late
 reply to an abandoned call is recognised and dropped) and ``sid`` (the session, from ``hello``);
 ``tokens``, when the call has any, is the canonical little-endian uint32 bytes of the token ids
-(``TokenIds.chunk``). A reply is one msgpack map with the same ``id`` and either the result
-fields or ``error``/``message``. KV bytes never travel here: they are in the session's shared
+(``TokenIds.chunk``): a frame of its own when large, the header's ``tokens`` field when small
+(one frame is cheaper than two). A reply is one msgpack map with the same ``id`` and either the
+result fields or ``error``/``message``. KV bytes never travel here: they are in the session's shared
 staging region (``kvtier.service.staging``), named by offset and token count.
 
 ``VERSION`` changes whenever a message changes meaning; ``hello`` refuses another version.

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from kvtier.errors import ConfigError, KVTierError
+from kvtier.errors import ConfigError, KVTierError, TokenError
 from kvtier.identity import Identity
 from kvtier.service.config import ServiceConfig
 from kvtier.service.protocol import VERSION, error_reply, pack, socket_path, unpack
@@ -213,12 +213,12 @@ class Service:
         if len(frames) < 2:
             return
         peer, head = frames[0], frames[1]
-        tokens = frames[2] if len(frames) > 2 else b""
         try:
             req = unpack(head)
         except ValueError:
             log.warning("dropping a malformed request")
             return
+        tokens = frames[2] if len(frames) > 2 else req.pop("tokens", b"")
         req_id = req.get("id", 0)
         op = req.get("op")
         if op == "hello":
@@ -360,7 +360,9 @@ class Service:
         return {}
 
     @staticmethod
-    def _tokens(raw: bytes) -> np.ndarray[Any, np.dtype[np.uint32]]:
+    def _tokens(raw: object) -> np.ndarray[Any, np.dtype[np.uint32]]:
+        if not isinstance(raw, bytes) or len(raw) % 4:
+            raise TokenError("token ids must arrive as little-endian uint32 bytes")
         return np.frombuffer(raw, dtype="<u4")
 
     @staticmethod
