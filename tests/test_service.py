@@ -98,6 +98,22 @@ def test_store_and_load_from_the_staging_buffer(client: ServiceClient) -> None:
     assert np.array_equal(out, kv)
 
 
+def test_long_prompt_from_an_offset(client: ServiceClient) -> None:
+    # 77 KiB of token ids: they travel in the staging token area, not in a socket frame
+    tokens, _ = prompt(10, 1216 * BT)
+    _, kv = prompt(11, 16 * BT)
+    start = 1200 * BT  # the engine holds the prefix; only the tail goes to the service
+    assert client.store(tokens, kv, start=start) == 16 * BT
+    assert client.lookup(tokens, start=start) == 1216 * BT
+    assert client.lookup(tokens) == 0  # the prefix itself was never stored
+    out = np.zeros_like(kv)
+    assert client.load(tokens, out, start=start) == 1216 * BT
+    assert np.array_equal(out, kv)
+    other = tokens.copy()
+    other[5] += 1  # another prefix: other keys for the same tail
+    assert client.lookup(other, start=start) == start
+
+
 def test_another_identity_gets_no_hits(service: ServiceProc, client: ServiceClient) -> None:
     tokens, kv = prompt(1, 4 * BT)
     assert client.store(tokens, kv) == 4 * BT

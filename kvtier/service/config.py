@@ -40,6 +40,7 @@ class ServiceConfig:
     lease_ttl: float = 10.0
     timeout: float = 5.0
     threads: int = 4
+    token_area: int = 4 << 20  # bytes per session for token ids (1M tokens); longer: a frame
 
     def __post_init__(self) -> None:
         socket_path(self.url)  # validates the URL

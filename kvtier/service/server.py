@@ -98,7 +98,7 @@ class Service:
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="kvtier-service")
         self._local = threading.local()
-        self._handlers: dict[str, Callable[[Session, dict[str, Any], bytes], dict[str, Any]]] = {
+        self._handlers: dict[str, Callable[[Session, dict[str, Any], Any], dict[str, Any]]] = {
             "lookup": self._lookup,
             "load": self._load,
             "store": self._store,
@@ -243,13 +243,15 @@ class Service:
     def _call(
         self,
         session: Session,
-        handler: Callable[[Session, dict[str, Any], bytes], dict[str, Any]],
+        handler: Callable[[Session, dict[str, Any], Any], dict[str, Any]],
         req: dict[str, Any],
-        tokens: bytes,
+        tokens: Any,
     ) -> dict[str, Any]:
         req_id = req.get("id", 0)
         t0 = time.perf_counter()
         try:
+            if "tok" in req:  # a long prompt's ids, in the session's staging token area
+                tokens = session.staging.tokens(int(req["tok"]))
             with ServiceStore.using(session.identity):
                 out = handler(session, req, tokens)
         except KVTierError as exc:
@@ -270,9 +272,9 @@ class Service:
         self,
         peer: bytes,
         session: Session,
-        handler: Callable[[Session, dict[str, Any], bytes], dict[str, Any]],
+        handler: Callable[[Session, dict[str, Any], Any], dict[str, Any]],
         req: dict[str, Any],
-        tokens: bytes,
+        tokens: Any,
     ) -> None:
         try:
             reply = self._call(session, handler, req, tokens)
@@ -318,7 +320,9 @@ class Service:
                 raise ConfigError(f"identity: expected a map, got {fields!r}")
             tenant = req.get("tenant") or self.store.tenant
             self.store.namespace(tenant)  # validates the tenant name
-            staging = Staging.create(self.config.staging, gid=self.config.gid)
+            staging = Staging.create(
+                self.config.staging, self.config.token_area, gid=self.config.gid
+            )
         except KVTierError as exc:
             return error_reply(req_id, exc)
         sid = secrets.token_bytes(16)
@@ -346,21 +350,24 @@ class Service:
             },
             "staging": staging.path,
             "staging_bytes": staging.nbytes,
+            "kv_bytes": staging.kv_bytes,
             "lease_ttl": self.config.lease_ttl,
             "tenant": tenant,
         }
 
-    def _attach(self, s: Session, req: dict[str, Any], tokens: bytes) -> dict[str, Any]:
+    def _attach(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
         s.staging.unlink()  # both sides have it mapped: the name is no longer needed
         return {}
 
-    def _bye(self, s: Session, req: dict[str, Any], tokens: bytes) -> dict[str, Any]:
+    def _bye(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
         self._sessions.pop(s.sid, None)
         s.close()
         return {}
 
     @staticmethod
-    def _tokens(raw: object) -> np.ndarray[Any, np.dtype[np.uint32]]:
+    def _tokens(raw: object) -> Any:
+        if isinstance(raw, np.ndarray):  # a view of the staging token area (uint32 already)
+            return raw
         if not isinstance(raw, bytes) or len(raw) % 4:
             raise TokenError("token ids must arrive as little-endian uint32 bytes")
         return np.frombuffer(raw, dtype="<u4")
@@ -374,20 +381,20 @@ class Service:
             "start": req.get("start", 0),
         }
 
-    def _lookup(self, s: Session, req: dict[str, Any], tokens: bytes) -> dict[str, Any]:
+    def _lookup(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
         end = self.store.lookup(self._tokens(tokens), **self._scope(req))
         return {"end": end, "_tokens": end - req.get("start", 0)}
 
-    def _prefetch(self, s: Session, req: dict[str, Any], tokens: bytes) -> dict[str, Any]:
+    def _prefetch(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
         return {"tokens": self.store.prefetch(self._tokens(tokens), **self._scope(req))}
 
-    def _load(self, s: Session, req: dict[str, Any], tokens: bytes) -> dict[str, Any]:
+    def _load(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
         out = s.staging.view(self.store.layout, req["off"], req["n"])
         end = self.store.load(self._tokens(tokens), out, **self._scope(req))
         got = end - req.get("start", 0)
         return {"end": end, "_tokens": got, "_bytes": got * self.store.layout.bytes_per_token}
 
-    def _store(self, s: Session, req: dict[str, Any], tokens: bytes) -> dict[str, Any]:
+    def _store(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
         kv = s.staging.view(self.store.layout, req["off"], req["n"])
         reuse = req.get("reuse_class")
         written = self.store.store(
@@ -402,20 +409,20 @@ class Service:
             "_bytes": written * self.store.layout.bytes_per_token,
         }
 
-    def _lease(self, s: Session, req: dict[str, Any], tokens: bytes) -> dict[str, Any]:
+    def _lease(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
         lease = self.store.lease(self._tokens(tokens), **self._scope(req))
         lid = s.add_lease(lease)
         return {"lid": lid, "start": lease.start, "end": lease.end, "_tokens": lease.tokens}
 
-    def _release(self, s: Session, req: dict[str, Any], tokens: bytes) -> dict[str, Any]:
+    def _release(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
         return {"released": s.release(int(req.get("lid", 0)))}
 
-    def _flush(self, s: Session, req: dict[str, Any], tokens: bytes) -> dict[str, Any]:
+    def _flush(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
         timeout = req.get("timeout")
         self.store.flush(float(timeout) if isinstance(timeout, int | float) else None)
         return {}
 
-    def _stats(self, s: Session, req: dict[str, Any], tokens: bytes) -> dict[str, Any]:
+    def _stats(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
         stats = self.store.stats()
         stats["service"] = {
             "url": self.config.url,
