@@ -22,6 +22,7 @@ import numpy as np
 from kvtier.layout import KVLayout
 
 LAYOUT = KVLayout(layers=2, kv_heads=2, head_dim=16, block_tokens=16)
+HF_BLOCK_TOKENS = 16
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT = Path(__file__).resolve().parent / "service_client.py"
 

@@ -249,3 +249,25 @@ def test_stale_socket_is_replaced_and_a_foreign_file_refused() -> None:
         assert out.returncode == 2 and "exists and is not a socket" in out.stderr
     finally:
         svc.cleanup()
+
+
+@pytest.mark.slow  # two processes importing torch and transformers: ~45 s on 2 cores
+def test_two_hf_engines_share_one_service() -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from kvtier.integrations import hf_cache
+    from kvtier.integrations.models import ModelSpec, random_model
+
+    layout = hf_cache.model_layout(random_model(ModelSpec(arch="llama", seed=1)), 16)
+    svc = ServiceProc(host="4MiB", layout=layout, staging="1MiB")
+    try:
+        svc.start()
+        first = client_proc(svc.url, "hf", 75)
+        assert wait_line(first, "hf", 120) == "hf 0 True"
+        kill9(first)
+        second = client_proc(svc.url, "hf", 75)  # another process: served the first's prefix
+        _, reused, same = wait_line(second, "hf", 120).split()
+        assert int(reused) >= 3 * 16 and same == "True"  # the prefix, bit-identical output
+        kill9(second)
+    finally:
+        svc.cleanup()

@@ -96,22 +96,30 @@ def _best(fn: Callable[[], object], rounds: int) -> float:
     return best
 
 
-def _data(store: Any, lay: KVLayout, n: int, rounds: int, src: Any, out: Any) -> dict[str, float]:
-    """Best store and load seconds of ``n`` tokens from ``src`` into ``out`` (new prompts for
-    every store, so none is skipped as cached)."""
-    t_store = float("inf")
-    toks = np.zeros(n, np.int64)
+def _data(cases: dict[str, tuple[Any, Any, Any]], n: int, rounds: int) -> dict[str, float]:
+    """Best store and load seconds of ``n`` tokens for each ``name: (store, src, out)``.
+
+    The cases take turns, round by round, so a spell of load from other work on the machine
+    hits them alike; every store is of a new prompt (none is skipped as cached)."""
+    best = {f"{name}_{op}": float("inf") for name in cases for op in ("store", "load")}
+    last: dict[str, Any] = {}
     for _ in range(rounds):
-        toks = np.full(n, next(_SEEDS), np.int64)
-        t0 = time.perf_counter()
-        stored = store.store(toks, src)
-        t_store = min(t_store, time.perf_counter() - t0)
-        if stored != n:
-            raise RuntimeError(f"bench: stored {stored} of {n} tokens")
-    t_load = _best(lambda: store.load(toks, out), rounds)
-    if store.load(toks, out) != n:
-        raise RuntimeError("bench: the load missed")
-    return {"store_s": t_store, "load_s": t_load}
+        for name, (store, src, _) in cases.items():
+            toks = np.full(n, next(_SEEDS), np.int64)
+            t0 = time.perf_counter()
+            stored = store.store(toks, src)
+            best[f"{name}_store"] = min(best[f"{name}_store"], time.perf_counter() - t0)
+            if stored != n:
+                raise RuntimeError(f"bench: {name} stored {stored} of {n} tokens")
+            last[name] = toks
+    for _ in range(rounds):
+        for name, (store, _, out) in cases.items():
+            t0 = time.perf_counter()
+            got = store.load(last[name], out)
+            best[f"{name}_load"] = min(best[f"{name}_load"], time.perf_counter() - t0)
+            if got != n:
+                raise RuntimeError(f"bench: {name} loaded {got} of {n} tokens")
+    return best
 
 
 def _lookups(store: Any, rounds: int) -> dict[str, float]:
@@ -179,24 +187,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         nbytes = n * lay.bytes_per_token
         kv = np.ones(lay.kv_shape(n), lay.storage_dtype)
         out = np.zeros_like(kv)
+        buf = client.buffer(n)
+        buf[...] = kv
         with TieredStore(
             lay, [HostTier(lay, args.host_mib << 20)], model_id="bench-in-process"
         ) as local:
-            inproc = _data(local, lay, n, args.rounds, kv, out)
-        svc = _data(client, lay, n, args.rounds, kv, out)
-        buf = client.buffer(n)
-        buf[...] = kv
-        zero = _data(client, lay, n, args.rounds, buf, buf)
-        for name, t in (("in_process", inproc), ("service", svc), ("service_buffer", zero)):
-            res[f"{name}_store_gbps"] = nbytes / t["store_s"] / 1e9
-            res[f"{name}_load_gbps"] = nbytes / t["load_s"] / 1e9
+            best = _data(
+                {
+                    "in_process": (local, kv, out),
+                    "service": (client, kv, out),
+                    "service_buffer": (client, buf, buf),
+                },
+                n,
+                args.rounds,
+            )
+        for name in ("in_process", "service", "service_buffer"):
+            res[f"{name}_store_gbps"] = nbytes / best[f"{name}_store"] / 1e9
+            res[f"{name}_load_gbps"] = nbytes / best[f"{name}_load"] / 1e9
         for kind in ("store", "load"):
             base = res[f"in_process_{kind}_gbps"]
             res[f"service_{kind}_vs_in_process"] = res[f"service_{kind}_gbps"] / base
             res[f"service_buffer_{kind}_vs_in_process"] = res[f"service_buffer_{kind}_gbps"] / base
         per = max(2, args.rounds)
-        res["one_client_gbps"] = _aggregate(url, 1, n, per)
-        res[f"{args.clients}_clients_gbps"] = _aggregate(url, args.clients, n, per)
+        one = many = 0.0
+        for _ in range(2):  # alternated, best of each: a busy spell hits both alike
+            one = max(one, _aggregate(url, 1, n, per))
+            many = max(many, _aggregate(url, args.clients, n, per))
+        res["one_client_gbps"] = one
+        res[f"{args.clients}_clients_gbps"] = many
         res["clients_vs_one"] = res[f"{args.clients}_clients_gbps"] / res["one_client_gbps"]
         client.close()
     keys_url = _serve(_KEYS, 64, 16) if args.url is None else _given(args.url)

@@ -200,6 +200,7 @@ class ServiceClient:
             raise
         self._layout = layout
         self.tenant = reply["tenant"]
+        self.identity = Identity(**reply["identity"])  # what the service keys our blocks by
         return _Link(sock, sid, staging, float(reply["lease_ttl"]))
 
     def _install(self, link: _Link | None) -> None:
@@ -331,6 +332,23 @@ class ServiceClient:
                 return start if reply is None else int(reply["end"])
         reply = self._call("lookup", scope, toks.chunk(0, len(toks)))
         return start if reply is None else int(reply["end"])
+
+    def locate(
+        self,
+        tokens: Any,
+        tenant: str | None = None,
+        *,
+        adapter: str | None = None,
+        salt: str | bytes | None = None,
+        start: int = 0,
+    ) -> list[str]:
+        """As ``TieredStore.locate``; ``[]`` when the service is unreachable."""
+        toks = TokenIds(tokens)
+        self._check_start(start, len(toks))
+        reply = self._call(
+            "locate", self._scope(tenant, adapter, salt, start), toks.chunk(0, len(toks))
+        )
+        return [] if reply is None else [str(t) for t in reply["tiers"]]
 
     def prefetch(
         self,

@@ -100,6 +100,7 @@ class Service:
         self._local = threading.local()
         self._handlers: dict[str, Callable[[Session, dict[str, Any], Any], dict[str, Any]]] = {
             "lookup": self._lookup,
+            "locate": self._locate,
             "load": self._load,
             "store": self._store,
             "prefetch": self._prefetch,
@@ -353,6 +354,7 @@ class Service:
             "kv_bytes": staging.kv_bytes,
             "lease_ttl": self.config.lease_ttl,
             "tenant": tenant,
+            "identity": identity.describe(),
         }
 
     def _attach(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
@@ -384,6 +386,9 @@ class Service:
     def _lookup(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
         end = self.store.lookup(self._tokens(tokens), **self._scope(req))
         return {"end": end, "_tokens": end - req.get("start", 0)}
+
+    def _locate(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
+        return {"tiers": self.store.locate(self._tokens(tokens), **self._scope(req))}
 
     def _prefetch(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
         return {"tokens": self.store.prefetch(self._tokens(tokens), **self._scope(req))}
