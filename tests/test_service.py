@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("zmq")
 
 from kvtier.errors import ConfigError, LayoutError, TokenError
+from kvtier.open import open_store
 from kvtier.service.client import ServiceClient, connect
 from kvtier.store import TieredStore
 from tests.service_helpers import (
@@ -112,6 +113,25 @@ def test_long_prompt_from_an_offset(client: ServiceClient) -> None:
     other = tokens.copy()
     other[5] += 1  # another prefix: other keys for the same tail
     assert client.lookup(other, start=start) == start
+
+
+def test_open_store_picks_the_mode_from_config(service: ServiceProc) -> None:
+    tokens, kv = prompt(12, 2 * BT)
+    with open_store(service.config, layout=LAYOUT) as remote:  # [service] url: a client
+        assert isinstance(remote, ServiceClient)
+        assert remote.store(tokens, kv) == 2 * BT
+    local_cfg = {
+        "store": {
+            "model_id": "test/model",
+            "layers": 2,
+            "kv_heads": 2,
+            "head_dim": 16,
+            "block_tokens": BT,
+        },
+        "tiers": [{"kind": "host", "capacity": "1MiB"}],
+    }
+    with open_store(local_cfg) as local:  # no url: in-process, its own (empty) cache
+        assert isinstance(local, TieredStore) and local.lookup(tokens) == 0
 
 
 def test_another_identity_gets_no_hits(service: ServiceProc, client: ServiceClient) -> None:
