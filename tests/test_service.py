@@ -45,7 +45,7 @@ def until(cond: Callable[[], bool], timeout: float = 15.0) -> bool:
 
 @pytest.fixture
 def service() -> Iterator[ServiceProc]:
-    svc = ServiceProc(host="256KiB", lease_ttl=2.0, timeout=1.0)  # 64 blocks of 4 KiB
+    svc = ServiceProc(host="256KiB", lease_ttl=3.0, timeout=1.0)  # 64 blocks of 4 KiB
     svc.start()
     yield svc
     svc.cleanup()
@@ -94,6 +94,7 @@ def test_store_and_load_from_the_staging_buffer(client: ServiceClient) -> None:
     # larger than the staging region (64 KiB = 16 blocks): chunked, same bytes
     tokens, kv = prompt(8, 40 * BT)
     assert client.store(tokens, kv) == 40 * BT
+    assert [s["leases"] for s in sessions(client).values()] == [0]  # chunk holds released
     out = np.zeros_like(kv)
     assert client.load(tokens, out) == 40 * BT
     assert np.array_equal(out, kv)

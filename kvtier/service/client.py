@@ -27,14 +27,15 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Hashable, Iterator
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import zmq
 
-from kvtier.errors import ConfigError, LayoutError
+from kvtier.errors import ConfigError, KVTierError, LayoutError
 from kvtier.identity import Identity
 from kvtier.keys import TokenIds
 from kvtier.kvarray import host_array
@@ -101,6 +102,8 @@ class ServiceClient:
         self._lock = threading.RLock()
         self._link: _Link | None = None
         self._next_id = 0
+        self._inflight: set[int] = set()  # ids of requests sent and not yet answered
+        self._stash: dict[int, dict[str, Any]] = {}  # their replies, arrived out of turn
         self._last_ok = 0.0
         self._closed = threading.Event()
         self.counters = {"connects": 0, "timeouts": 0, "down_calls": 0}
@@ -127,29 +130,42 @@ class ServiceClient:
         self._next_id += 1
         return self._next_id
 
-    def _roundtrip(
-        self, sock: zmq.Socket[bytes], req: dict[str, Any], tokens: bytes | None, timeout: float
-    ) -> dict[str, Any] | None:
-        """Send ``req`` and wait for its reply (late replies to earlier calls are dropped);
-        ``None`` after ``timeout`` seconds."""
-        req_id = req["id"]
+    @staticmethod
+    def _send(sock: zmq.Socket[bytes], req: dict[str, Any], tokens: bytes | None) -> None:
         if tokens is None or len(tokens) < _ZERO_COPY_BYTES:  # one small frame
             if tokens is not None:
                 req["tokens"] = tokens
             sock.send(pack(req))
         else:  # the token ids as a frame of their own, not copied into the header
             sock.send_multipart([pack(req), tokens], copy=False)
+
+    def _recv(self, sock: zmq.Socket[bytes], req_id: int, timeout: float) -> dict[str, Any] | None:
+        """The reply to ``req_id``, ``None`` after ``timeout`` s. Replies to other calls in
+        flight are kept for their own ``_recv``; replies to abandoned calls are dropped."""
+        reply = self._stash.pop(req_id, None)
+        if reply is not None:
+            return reply
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
                 return None
             try:
-                reply = unpack(sock.recv())
+                got = unpack(sock.recv())
             except ValueError:
                 continue
-            if reply.get("id") == req_id:
-                return reply
+            got_id = got.get("id")
+            if got_id == req_id:
+                return got
+            if got_id in self._inflight:
+                self._stash[got_id] = got
+
+    def _roundtrip(
+        self, sock: zmq.Socket[bytes], req: dict[str, Any], tokens: bytes | None, timeout: float
+    ) -> dict[str, Any] | None:
+        """Send ``req`` and wait for its reply; ``None`` after ``timeout`` seconds."""
+        self._send(sock, req, tokens)
+        return self._recv(sock, req["id"], timeout)
 
     def _hello(self) -> _Link | None:
         """Register a session on a fresh socket; ``None`` if the service does not answer."""
@@ -218,6 +234,8 @@ class ServiceClient:
             log.warning("kvtier service at %s: %s; serving misses until it is back", self.url, why)
             self._link.close()
             self._link = None
+            self._inflight.clear()
+            self._stash.clear()
 
     def _heartbeat(self) -> None:
         while not self._closed.wait(_RETRY_S if self._link is None else self._beat_s()):
@@ -231,12 +249,14 @@ class ServiceClient:
                     self._install(link)
                 elif link is not None:
                     link.close()
-            elif time.monotonic() - self._last_ok >= self._beat_s():
+            elif time.monotonic() - self._last_ok >= self._beat_s() / 2:
                 self._call("ping", {})
 
     def _beat_s(self) -> float:
+        """Seconds between heartbeats: a quarter of the lease TTL, so three can be late (a
+        busy machine descheduling this process) before the service gives up on us."""
         link = self._link
-        return (link.lease_ttl if link else 3.0) / 3
+        return (link.lease_ttl if link else 3.0) / 4
 
     def _call(
         self, op: str, fields: dict[str, Any], tokens: bytes | None = None
@@ -244,33 +264,50 @@ class ServiceClient:
         """One request on the current session; its reply, or ``None`` (a miss) when the
         service is down or does not answer in time. Raises the caller's mistakes."""
         with self._lock:
-            link = self._link
-            if link is None:
-                self.counters["down_calls"] += 1
+            req_id = self._start(op, fields, tokens)
+            return None if req_id is None else self._finish(op, req_id)
+
+    def _start(self, op: str, fields: dict[str, Any], tokens: bytes | None) -> int | None:
+        """Send one request (under the lock); its id, or ``None`` when not connected. Long
+        token ids go through the staging token area (shared memory beats a socket frame)."""
+        link = self._link
+        if link is None:
+            self.counters["down_calls"] += 1
+            return None
+        req = {"op": op, "id": self._request_id(), "sid": link.sid, **fields}
+        if (
+            tokens is not None
+            and len(tokens) >= _ZERO_COPY_BYTES
+            and link.staging.put_tokens(tokens)
+        ):
+            req["tok"] = len(tokens) // 4
+            tokens = None
+        self._send(link.sock, req, tokens)
+        self._inflight.add(req["id"])
+        return int(req["id"])
+
+    def _finish(self, op: str, req_id: int) -> dict[str, Any] | None:
+        """The reply to a request ``_start`` sent (under the lock); ``None`` for a miss."""
+        link = self._link
+        if link is None:  # dropped while this call was in flight
+            self._inflight.discard(req_id)
+            return None
+        reply = self._recv(link.sock, req_id, self.timeout)
+        self._inflight.discard(req_id)
+        if reply is None:
+            self.counters["timeouts"] += 1
+            # the abandoned call may still write into this staging region: a new one
+            self._drop(f"{op} timed out after {self.timeout:g} s")
+            return None
+        self._last_ok = time.monotonic()
+        if "error" in reply:
+            if reply["error"] == "session":
+                self._drop("the service restarted")
                 return None
-            req = {"op": op, "id": self._request_id(), "sid": link.sid, **fields}
-            if (
-                tokens is not None
-                and len(tokens) >= _ZERO_COPY_BYTES
-                and link.staging.put_tokens(tokens)  # shared memory beats a socket frame
-            ):
-                req["tok"] = len(tokens) // 4
-                tokens = None
-            reply = self._roundtrip(link.sock, req, tokens, self.timeout)
-            if reply is None:
-                self.counters["timeouts"] += 1
-                # the abandoned call may still write into this staging region: a new one
-                self._drop(f"{op} timed out after {self.timeout:g} s")
-                return None
-            self._last_ok = time.monotonic()
-            if "error" in reply:
-                if reply["error"] == "session":
-                    self._drop("the service restarted")
-                    return None
-                raise_error(reply)
-                log.warning("kvtier service: %s failed: %s", op, reply.get("message"))
-                return None
-            return reply
+            raise_error(reply)
+            log.warning("kvtier service: %s failed: %s", op, reply.get("message"))
+            return None
+        return reply
 
     # -- helpers ---------------------------------------------------------------------------
     def _scope(
@@ -288,9 +325,120 @@ class ServiceClient:
             raise LayoutError(f"start {start} is past the {n_tokens} tokens given")
         return start
 
-    def _chunk_tokens(self, link: _Link) -> int:
+    def _halves(self, link: _Link) -> tuple[int, int]:
+        """(tokens per chunk, chunks in flight) of a transfer through the staging region:
+        two halves when it holds two blocks or more, so the client's copy of one chunk
+        overlaps the service's copy of the other (on other cores)."""
         lay = self.layout
-        return (link.staging.kv_bytes // lay.block_bytes) * lay.block_tokens
+        blocks = link.staging.kv_bytes // lay.block_bytes
+        depth = 2 if blocks >= 2 else 1
+        return (blocks // depth) * lay.block_tokens, depth
+
+    def _token_fields(
+        self, link: _Link, raw: bytes
+    ) -> Callable[[int], tuple[dict[str, Any], bytes | None]]:
+        """For a chunked call over ``raw`` token ids: long ids are put in the token area
+        once, and each chunk names how many of them it covers."""
+        if len(raw) >= _ZERO_COPY_BYTES and link.staging.put_tokens(raw):
+            return lambda count: ({"tok": count}, None)
+        return lambda count: ({}, raw[: 4 * count])
+
+    def _drain(self, op: str, ids: Iterable[int]) -> None:
+        """Wait out requests still in flight (their staging half is reused next)."""
+        for req_id in ids:
+            with contextlib.suppress(KVTierError):
+                self._finish(op, req_id)
+
+    def _store_chunks(
+        self, link: _Link, arr: Array, raw: bytes, scope: dict[str, Any], start: int, have: int
+    ) -> int:
+        """Store ``arr`` (not in the staging region) in chunks, two in flight (under the
+        lock): copy chunk i+1 into one half while the service stores chunk i from the other."""
+        lay = self.layout
+        step, depth = self._halves(link)
+        tokens_of = self._token_fields(link, raw)
+        pending: deque[int] = deque()
+        held: list[int] = []  # leases on the chunks stored so far, until the call ends
+        written = 0
+
+        def done(reply: dict[str, Any] | None) -> bool:
+            nonlocal written
+            if reply is None:
+                return False
+            written += int(reply["written"])
+            if "lid" in reply:
+                held.append(int(reply["lid"]))
+            return True
+
+        try:
+            for k, pos in enumerate(range(0, have, step)):
+                # the half chunk k uses is free once chunk k - depth is stored
+                if len(pending) == depth and not done(self._finish("store", pending.popleft())):
+                    return written
+                n = min(step, have - pos)
+                off = (k % depth) * step * lay.bytes_per_token
+                np.copyto(link.staging.view(lay, off, n), arr[:, :, pos : pos + n])
+                extra, toks = tokens_of(start + pos + n)
+                fields = {**scope, "start": start + pos, "off": off, "n": n, **extra}
+                req_id = self._start("store", {**fields, "hold": pos + n < have}, toks)
+                if req_id is None:
+                    return written
+                pending.append(req_id)
+            while pending:
+                if not done(self._finish("store", pending.popleft())):
+                    return written
+            return written
+        finally:
+            self._drain("store", pending)
+            if held and self._link is link:
+                self._call("release", {"lids": held})
+
+    def _load_chunks(
+        self, link: _Link, arr: Array, raw: bytes, scope: dict[str, Any], start: int, want: int
+    ) -> int:
+        """Load into ``arr`` (not in the staging region) in chunks, two in flight (under the
+        lock): the service fills one half while the client copies the other out."""
+        lay = self.layout
+        step, depth = self._halves(link)
+        tokens_of = self._token_fields(link, raw)
+        chunks = list(range(0, want, step))
+        pending: deque[int] = deque()
+
+        def ask(k: int) -> bool:
+            pos = chunks[k]
+            n = min(step, want - pos)
+            extra, toks = tokens_of(start + pos + n)
+            off = (k % depth) * step * lay.bytes_per_token
+            req_id = self._start(
+                "load", {**scope, "start": start + pos, "off": off, "n": n, **extra}, toks
+            )
+            if req_id is not None:
+                pending.append(req_id)
+            return req_id is not None
+
+        end = start
+        try:
+            for k in range(min(depth, len(chunks))):
+                if not ask(k):
+                    return end
+            for k, pos in enumerate(chunks):
+                reply = self._finish("load", pending.popleft())
+                if reply is None:
+                    return end
+                n = min(step, want - pos)
+                got = int(reply["end"]) - (start + pos)
+                if got > 0:
+                    off = (k % depth) * step * lay.bytes_per_token
+                    src = link.staging.view(lay, off, n)[:, :, :got]
+                    np.copyto(arr[:, :, pos : pos + got], src)
+                end = start + pos + got
+                if got < n:  # a miss ends the prefix; what a later chunk found is not used
+                    return end
+                if k + depth < len(chunks) and not ask(k + depth):
+                    return end
+            return end
+        finally:
+            self._drain("load", pending)
 
     def buffer(self, tokens: int) -> Array:
         """A KV array for ``tokens`` tokens in the staging region (``None``-free: raises
@@ -402,23 +550,7 @@ class ServiceClient:
             if off is not None:  # the engine gathered into our buffer: no staging copy
                 reply = self._call("load", {**scope, "off": off, "n": arr.shape[2]}, raw)
                 return start if reply is None else int(reply["end"])
-            step = self._chunk_tokens(link)
-            end = start
-            for pos in range(0, want, step):
-                n = min(step, want - pos)
-                scope["start"] = start + pos
-                reply = self._call(
-                    "load", {**scope, "off": 0, "n": n}, raw[: 4 * (start + pos + n)]
-                )
-                if reply is None:
-                    break
-                got = int(reply["end"]) - (start + pos)
-                if got > 0:
-                    np.copyto(arr[:, :, pos : pos + got], link.staging.view(lay, 0, n)[:, :, :got])
-                end = start + pos + got
-                if got < n:
-                    break
-            return end
+            return self._load_chunks(link, arr, raw, scope, start, want)
 
     def store(
         self,
@@ -460,19 +592,7 @@ class ServiceClient:
             if off is not None:  # the engine gathered into our buffer: no staging copy
                 reply = self._call("store", {**scope, "off": off, "n": arr.shape[2]}, raw)
                 return 0 if reply is None else int(reply["written"])
-            step = self._chunk_tokens(link)
-            written = 0
-            for pos in range(0, have, step):
-                n = min(step, have - pos)
-                np.copyto(link.staging.view(lay, 0, n), arr[:, :, pos : pos + n])
-                scope["start"] = start + pos
-                reply = self._call(
-                    "store", {**scope, "off": 0, "n": n}, raw[: 4 * (start + pos + n)]
-                )
-                if reply is None:
-                    break
-                written += int(reply["written"])
-            return written
+            return self._store_chunks(link, arr, raw, scope, start, have)
 
     def lease(
         self,

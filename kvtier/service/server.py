@@ -408,11 +408,17 @@ class Service:
             reuse_class=tuple(reuse) if isinstance(reuse, list) else reuse,
             **self._scope(req),
         )
-        return {
+        out = {
             "written": written,
             "_tokens": written,
             "_bytes": written * self.store.layout.bytes_per_token,
         }
+        if req.get("hold"):
+            # a chunk of a larger store: hold it so the chunks after it cannot evict it
+            # (as one in-process call holds its own blocks); released at the call's end
+            held = self.store.lease(self._tokens(tokens), **self._scope(req))
+            out["lid"] = s.add_lease(held)
+        return out
 
     def _lease(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
         lease = self.store.lease(self._tokens(tokens), **self._scope(req))
@@ -420,7 +426,8 @@ class Service:
         return {"lid": lid, "start": lease.start, "end": lease.end, "_tokens": lease.tokens}
 
     def _release(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
-        return {"released": s.release(int(req.get("lid", 0)))}
+        lids = req.get("lids", [req.get("lid", 0)])
+        return {"released": sum(s.release(int(lid)) for lid in lids)}
 
     def _flush(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
         timeout = req.get("timeout")
