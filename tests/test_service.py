@@ -292,3 +292,48 @@ def test_two_hf_engines_share_one_service() -> None:
         kill9(second)
     finally:
         svc.cleanup()
+
+
+def test_a_session_id_is_good_only_on_its_own_connection(
+    service: ServiceProc, client: ServiceClient
+) -> None:
+    import zmq
+
+    from kvtier.service.protocol import pack, unpack
+
+    tokens, kv = prompt(13, 2 * BT)
+    assert client.store(tokens, kv) == 2 * BT
+    assert client._link is not None
+    stolen = client._link.sid
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect("ipc://" + service.sock)
+    try:
+        sock.send(b"\x93not msgpack")  # dropped, the service serves on
+        raw = np.asarray(tokens, "<u4").tobytes()
+        sock.send(pack({"op": "lookup", "id": 7, "sid": stolen, "tokens": raw}))
+        assert sock.poll(5000)
+        reply = unpack(sock.recv())
+        assert reply["id"] == 7 and reply["error"] == "session"
+    finally:
+        sock.close(0)
+        ctx.term()
+    assert client.lookup(tokens) == 2 * BT  # the owner's session is untouched
+    assert all("sid" not in s for s in sessions(client).values())
+
+
+def test_stats_cli_lists_clients_and_tenants(service: ServiceProc, client: ServiceClient) -> None:
+    tokens, kv = prompt(14, 2 * BT)
+    client.store(tokens, kv, tenant="alice")
+    client.lookup(tokens, tenant="alice")
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", "stats", "--url", service.url],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "model test/model" in out.stdout and "store" in out.stdout
+    assert "tenant alice: hit 0 miss 0 stored 32" in out.stdout

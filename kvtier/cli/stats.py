@@ -22,7 +22,7 @@ def _table(stats: dict[str, Any]) -> str:
     for sid, s in stats.get("service", {}).get("sessions", {}).items():
         ident = s["identity"]
         lines.append(
-            f"client {sid[:8]} pid {s['pid']} {s['name'] or '-'} tenant {s['tenant']} "
+            f"client {sid} pid {s['pid']} {s['name'] or '-'} tenant {s['tenant']} "
             f"model {ident['model_id']} tp {ident['tp_rank']}/{ident['tp_size']} "
             f"leases {s['leases']}"
         )

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 _RETRY_S = 0.5  # how often a client whose service is down tries to reconnect
 _ZERO_COPY_BYTES = 1 << 16
 _PROBE_BLOCKS = 16  # a lookup first sends this many blocks' tokens (a miss is cheap)
+_DEPTH = 4  # staging slices (chunks in flight) of a transfer larger than its region
 
 
 @dataclass(slots=True)
@@ -325,13 +326,13 @@ class ServiceClient:
             raise LayoutError(f"start {start} is past the {n_tokens} tokens given")
         return start
 
-    def _halves(self, link: _Link) -> tuple[int, int]:
-        """(tokens per chunk, chunks in flight) of a transfer through the staging region:
-        two halves when it holds two blocks or more, so the client's copy of one chunk
-        overlaps the service's copy of the other (on other cores)."""
+    def _slices(self, link: _Link) -> tuple[int, int]:
+        """(tokens per chunk, chunks in flight) of a transfer through the staging region: up
+        to ``_DEPTH`` slices of it, so the client's copies overlap the service's (on other
+        cores) and a call's first chunk starts moving before its last is copied."""
         lay = self.layout
         blocks = link.staging.kv_bytes // lay.block_bytes
-        depth = 2 if blocks >= 2 else 1
+        depth = max(1, min(_DEPTH, blocks))
         return (blocks // depth) * lay.block_tokens, depth
 
     def _token_fields(
@@ -344,7 +345,7 @@ class ServiceClient:
         return lambda count: ({}, raw[: 4 * count])
 
     def _drain(self, op: str, ids: Iterable[int]) -> None:
-        """Wait out requests still in flight (their staging half is reused next)."""
+        """Wait out requests still in flight (their staging slice is reused next)."""
         for req_id in ids:
             with contextlib.suppress(KVTierError):
                 self._finish(op, req_id)
@@ -352,10 +353,10 @@ class ServiceClient:
     def _store_chunks(
         self, link: _Link, arr: Array, raw: bytes, scope: dict[str, Any], start: int, have: int
     ) -> int:
-        """Store ``arr`` (not in the staging region) in chunks, two in flight (under the
-        lock): copy chunk i+1 into one half while the service stores chunk i from the other."""
+        """Store ``arr`` (not in the staging region) in chunks, several in flight (under the
+        lock): the client fills one slice while the service stores from the others."""
         lay = self.layout
-        step, depth = self._halves(link)
+        step, depth = self._slices(link)
         tokens_of = self._token_fields(link, raw)
         pending: deque[int] = deque()
         held: list[int] = []  # leases on the chunks stored so far, until the call ends
@@ -372,7 +373,7 @@ class ServiceClient:
 
         try:
             for k, pos in enumerate(range(0, have, step)):
-                # the half chunk k uses is free once chunk k - depth is stored
+                # the slice chunk k uses is free once chunk k - depth is stored
                 if len(pending) == depth and not done(self._finish("store", pending.popleft())):
                     return written
                 n = min(step, have - pos)
@@ -396,10 +397,10 @@ class ServiceClient:
     def _load_chunks(
         self, link: _Link, arr: Array, raw: bytes, scope: dict[str, Any], start: int, want: int
     ) -> int:
-        """Load into ``arr`` (not in the staging region) in chunks, two in flight (under the
-        lock): the service fills one half while the client copies the other out."""
+        """Load into ``arr`` (not in the staging region) in chunks, several in flight (under the
+        lock): the service fills slices while the client copies another out."""
         lay = self.layout
-        step, depth = self._halves(link)
+        step, depth = self._slices(link)
         tokens_of = self._token_fields(link, raw)
         chunks = list(range(0, want, step))
         pending: deque[int] = deque()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import logging
 import os
 import secrets
@@ -113,6 +114,7 @@ class Service:
             "bye": self._bye,
         }
         self.ready = threading.Event()
+        self._numbers = itertools.count(1)
 
     # -- socket ----------------------------------------------------------------------------
     def bind(self) -> None:
@@ -223,9 +225,11 @@ class Service:
         req_id = req.get("id", 0)
         op = req.get("op")
         if op == "hello":
-            self._reply(peer, self._hello(req, req_id))
+            self._reply(peer, self._hello(req, req_id, peer))
             return
         session = self._sessions.get(req.get("sid", b""))
+        if session is not None and session.peer != peer:
+            session = None  # a session is good only on the connection that opened it
         if session is None:  # never registered, or expired: the client says hello again
             self._reply(peer, {"id": req_id, "error": "session", "message": "unknown session"})
             return
@@ -297,12 +301,12 @@ class Service:
         now = time.monotonic()
         for sid, s in list(self._sessions.items()):
             if s.expired(now, self.config.lease_ttl):
-                log.info("session %s (pid %d) went silent: releasing it", sid.hex(), s.pid)
+                log.info("session %d (pid %d) went silent: releasing it", s.number, s.pid)
                 del self._sessions[sid]
                 s.close()
 
     # -- operations ------------------------------------------------------------------------
-    def _hello(self, req: dict[str, Any], req_id: int) -> dict[str, Any]:
+    def _hello(self, req: dict[str, Any], req_id: int, peer: bytes) -> dict[str, Any]:
         try:
             if req.get("version") != VERSION:
                 raise ConfigError(
@@ -336,6 +340,8 @@ class Service:
             staging,
             pid=pid if isinstance(pid, int) else 0,
             name=name if isinstance(name, str) else "",
+            peer=peer,
+            number=next(self._numbers),
         )
         lay = self.store.layout
         return {
@@ -439,6 +445,7 @@ class Service:
         stats["service"] = {
             "url": self.config.url,
             "pid": os.getpid(),
-            "sessions": {sid.hex(): x.describe() for sid, x in list(self._sessions.items())},
+            # numbered, never by id: a session id is the client's credential
+            "sessions": {str(x.number): x.describe() for x in list(self._sessions.values())},
         }
         return {"stats": stats}

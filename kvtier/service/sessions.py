@@ -39,6 +39,8 @@ class Session:
     staging: Staging
     pid: int = 0
     name: str = ""
+    peer: bytes = b""  # the ZeroMQ routing id of the connection that opened the session
+    number: int = 0  # what stats show (the sid is the client's credential, never shown)
     last_seen: float = field(default_factory=time.monotonic)
     inflight: int = 0
     leases: dict[int, Lease] = field(default_factory=dict)
@@ -96,6 +98,7 @@ class Session:
             }
             leases = len(self.leases)
         return {
+            "session": self.number,
             "pid": self.pid,
             "name": self.name,
             "tenant": self.tenant,
