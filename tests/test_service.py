@@ -221,6 +221,25 @@ def test_service_killed_and_restarted_serves_misses_then_warm_hits() -> None:
         svc.cleanup()
 
 
+def test_service_stopped_and_restarted_finds_its_cache_on_nvme() -> None:
+    svc = ServiceProc(host="256KiB", nvme="1MiB")
+    try:
+        svc.start()
+        c = connect(svc.url, timeout=1.0, layout=LAYOUT)
+        tokens, kv = prompt(15, 4 * BT)
+        assert c.store(tokens, kv) == 4 * BT  # in the host tier only
+        svc.stop()  # SIGTERM: the store closes, writing its volatile blocks to NVMe
+        assert svc.proc is not None and svc.proc.returncode == 0
+        assert not os.path.exists(svc.sock)
+        svc.start()
+        assert until(lambda: c.connected)
+        out = np.zeros_like(kv)
+        assert c.load(tokens, out) == 4 * BT and np.array_equal(out, kv)
+        c.close()
+    finally:
+        svc.cleanup()
+
+
 def test_client_started_before_the_service_connects_later() -> None:
     svc = ServiceProc()
     try:

@@ -105,6 +105,7 @@ class ServiceClient:
         self._next_id = 0
         self._inflight: set[int] = set()  # ids of requests sent and not yet answered
         self._stash: dict[int, dict[str, Any]] = {}  # their replies, arrived out of turn
+        self._restarted = False  # the last _finish found the session gone and made a new one
         self._last_ok = 0.0
         self._closed = threading.Event()
         self.counters = {"connects": 0, "timeouts": 0, "down_calls": 0}
@@ -265,8 +266,18 @@ class ServiceClient:
         """One request on the current session; its reply, or ``None`` (a miss) when the
         service is down or does not answer in time. Raises the caller's mistakes."""
         with self._lock:
-            req_id = self._start(op, fields, tokens)
-            return None if req_id is None else self._finish(op, req_id)
+            for _ in range(2):  # once more on a new session if the service had restarted
+                self._restarted = False
+                req_id = self._start(op, dict(fields), tokens)
+                reply = None if req_id is None else self._finish(op, req_id)
+                if reply is not None or not self._restarted:
+                    return reply
+            return None
+
+    def _once(self, op: str, fields: dict[str, Any], tokens: bytes | None) -> dict[str, Any] | None:
+        """One request, never resent (it names this session's staging region)."""
+        req_id = self._start(op, fields, tokens)
+        return None if req_id is None else self._finish(op, req_id)
 
     def _start(self, op: str, fields: dict[str, Any], tokens: bytes | None) -> int | None:
         """Send one request (under the lock); its id, or ``None`` when not connected. Long
@@ -303,7 +314,11 @@ class ServiceClient:
         self._last_ok = time.monotonic()
         if "error" in reply:
             if reply["error"] == "session":
+                # the service restarted (or expired us): a new session now, so the next
+                # call is served; this one is a miss unless _call can resend it
                 self._drop("the service restarted")
+                self._install(self._hello())
+                self._restarted = self._link is not None
                 return None
             raise_error(reply)
             log.warning("kvtier service: %s failed: %s", op, reply.get("message"))
@@ -541,17 +556,24 @@ class ServiceClient:
                 f"tokens[:{start + arr.shape[2]}]"
             )
         raw = toks.chunk(0, start + want)
+        scope = self._scope(tenant, adapter, salt, start)
         with self._lock:
-            link = self._link
-            if link is None or want <= 0:
-                self.counters["down_calls"] += link is None
-                return start
-            scope = self._scope(tenant, adapter, salt, start)
-            off = link.staging.offset_of(arr)
-            if off is not None:  # the engine gathered into our buffer: no staging copy
-                reply = self._call("load", {**scope, "off": off, "n": arr.shape[2]}, raw)
-                return start if reply is None else int(reply["end"])
-            return self._load_chunks(link, arr, raw, scope, start, want)
+            end = start
+            for _ in range(2):  # once more, from scratch, on a new session after a restart
+                self._restarted = False
+                link = self._link
+                if link is None or want <= 0:
+                    self.counters["down_calls"] += link is None
+                    return start
+                off = link.staging.offset_of(arr)
+                if off is not None:  # the engine gathered into our buffer: no staging copy
+                    # never resent: after a restart the buffer is not in the new region
+                    reply = self._once("load", {**scope, "off": off, "n": arr.shape[2]}, raw)
+                    return start if reply is None else int(reply["end"])
+                end = self._load_chunks(link, arr, raw, scope, start, want)
+                if not self._restarted:
+                    break
+            return end
 
     def store(
         self,
@@ -583,17 +605,24 @@ class ServiceClient:
         bt = lay.block_tokens
         have = (arr.shape[2] // bt) * bt
         raw = toks.chunk(0, start + have)
+        scope = {**self._scope(tenant, adapter, salt, start), "reuse_class": reuse_class}
         with self._lock:
-            link = self._link
-            if link is None or have == 0:
-                self.counters["down_calls"] += link is None
-                return 0
-            scope = {**self._scope(tenant, adapter, salt, start), "reuse_class": reuse_class}
-            off = link.staging.offset_of(arr)
-            if off is not None:  # the engine gathered into our buffer: no staging copy
-                reply = self._call("store", {**scope, "off": off, "n": arr.shape[2]}, raw)
-                return 0 if reply is None else int(reply["written"])
-            return self._store_chunks(link, arr, raw, scope, start, have)
+            written = 0
+            for _ in range(2):  # once more, from scratch, on a new session after a restart
+                self._restarted = False
+                link = self._link
+                if link is None or have == 0:
+                    self.counters["down_calls"] += link is None
+                    return 0
+                off = link.staging.offset_of(arr)
+                if off is not None:  # the engine gathered into our buffer: no staging copy
+                    # never resent: after a restart the buffer is not in the new region
+                    reply = self._once("store", {**scope, "off": off, "n": arr.shape[2]}, raw)
+                    return 0 if reply is None else int(reply["written"])
+                written = self._store_chunks(link, arr, raw, scope, start, have)
+                if not self._restarted:
+                    break
+            return written
 
     def lease(
         self,

@@ -99,6 +99,8 @@ class Service:
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="kvtier-service")
         self._local = threading.local()
+        self._pushes: list[zmq.Socket[bytes]] = []
+        self._pushes_lock = threading.Lock()
         self._handlers: dict[str, Callable[[Session, dict[str, Any], Any], dict[str, Any]]] = {
             "lookup": self._lookup,
             "locate": self._locate,
@@ -194,6 +196,8 @@ class Service:
                 self._expire()
         finally:
             self._pool.shutdown(wait=True)
+            for push in self._pushes:  # the workers are gone: close their sockets here
+                push.close(0)
             while True:  # replies of the last loads and stores: nobody waits for them now
                 try:
                     replies.recv_multipart(zmq.NOBLOCK)
@@ -284,10 +288,12 @@ class Service:
         try:
             reply = self._call(session, handler, req, tokens)
             push = getattr(self._local, "push", None)
-            if push is None:
+            if push is None:  # one per worker thread: a ZeroMQ socket is single-threaded
                 push = self._local.push = self._ctx.socket(zmq.PUSH)
                 push.setsockopt(zmq.LINGER, 0)
                 push.connect(_REPLIES)
+                with self._pushes_lock:
+                    self._pushes.append(push)
             push.send_multipart([peer, pack(reply)])
         finally:
             with session.lock:
