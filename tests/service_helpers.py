@@ -56,6 +56,7 @@ class ServiceProc:
         staging: str = "64KiB",
         layout: KVLayout = LAYOUT,
         root: str | None = None,
+        group: str = "",
     ) -> None:
         self.dir = root or tempfile.mkdtemp(prefix="kvt", dir="/tmp")
         self.sock = os.path.join(self.dir, "kv.sock")
@@ -74,6 +75,7 @@ class ServiceProc:
             f'block_tokens = {layout.block_tokens}\ndtype = "{layout.dtype}"\n'
             f'{tiers}[service]\nurl = "{self.url}"\nstaging = "{staging}"\n'
             f"lease_ttl = {lease_ttl}\ntimeout = {timeout}\n"
+            + (f'group = "{group}"\n' if group else "")
         )
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = os.path.join(self.dir, "serve.log")

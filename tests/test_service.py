@@ -67,6 +67,21 @@ def test_socket_is_owner_only(service: ServiceProc) -> None:
     assert stat.S_ISSOCK(mode) and mode & 0o777 == 0o600
 
 
+def test_socket_group_is_configurable() -> None:
+    import grp
+
+    group = grp.getgrgid(os.getgid()).gr_name
+    svc = ServiceProc(group=group)
+    try:
+        svc.start()
+        st = os.stat(svc.sock)
+        assert st.st_mode & 0o777 == 0o660 and st.st_gid == os.getgid()
+        with connect(svc.url, timeout=2.0) as c:
+            assert c.connected
+    finally:
+        svc.cleanup()
+
+
 def test_two_processes_share_a_prefix_byte_identical(
     service: ServiceProc, client: ServiceClient
 ) -> None:
