@@ -109,7 +109,11 @@ class ServiceClient:
         self._last_ok = 0.0
         self._closed = threading.Event()
         self.counters = {"connects": 0, "timeouts": 0, "down_calls": 0}
-        self._install(self._hello())
+        try:
+            self._install(self._hello())
+        except BaseException:  # a mismatch the caller must fix: nothing left running
+            self._ctx.destroy(linger=0)
+            raise
         self._beat = threading.Thread(target=self._heartbeat, name="kvtier-client", daemon=True)
         self._beat.start()
 
@@ -176,7 +180,7 @@ class ServiceClient:
         sock.connect(self._endpoint)
         req: dict[str, Any] = {
             "op": "hello",
-            "id": 0,
+            "id": -1,  # hello's ids are negative: never those of calls (from 1) in flight
             "version": VERSION,
             "identity": None if self.identity is None else _fields(self.identity),
             "tenant": self._tenant,
@@ -205,7 +209,7 @@ class ServiceClient:
                 )
             staging = Staging.attach(reply["staging"], reply["staging_bytes"], reply["kv_bytes"])
             sid = reply["sid"]
-            done = self._roundtrip(sock, {"op": "attach", "id": 1, "sid": sid}, None, self.timeout)
+            done = self._roundtrip(sock, {"op": "attach", "id": -2, "sid": sid}, None, self.timeout)
             if done is None or "error" in done:
                 raise OSError("the service did not confirm the staging region")
         except BaseException as exc:
@@ -317,7 +321,10 @@ class ServiceClient:
                 # the service restarted (or expired us): a new session now, so the next
                 # call is served; this one is a miss unless _call can resend it
                 self._drop("the service restarted")
-                self._install(self._hello())
+                try:
+                    self._install(self._hello())
+                except KVTierError as exc:  # e.g. restarted with another layout: misses
+                    log.error("kvtier service at %s: %s", self.url, exc)
                 self._restarted = self._link is not None
                 return None
             raise_error(reply)
