@@ -345,6 +345,7 @@ def test_a_session_id_is_good_only_on_its_own_connection(
     sock.connect("ipc://" + service.sock)
     try:
         sock.send(b"\x93not msgpack")  # dropped, the service serves on
+        sock.send(pack({"op": ["x"], "id": 1, "sid": [1, 2]}))  # wrong types: dropped too
         raw = np.asarray(tokens, "<u4").tobytes()
         sock.send(pack({"op": "lookup", "id": 7, "sid": stolen, "tokens": raw}))
         assert sock.poll(5000)

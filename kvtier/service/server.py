@@ -185,7 +185,10 @@ class Service:
                             frames = router.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._handle(frames)
+                        try:
+                            self._handle(frames)
+                        except Exception:  # a malformed request must not stop the service
+                            log.exception("dropping a request that could not be handled")
                 if replies in events:
                     while True:
                         try:
