@@ -149,14 +149,16 @@ def _run(
 
     def make_round(r: int) -> Round:
         keys = [BlockKey(os.urandom(32)) for _ in range(n)]
-        names = [f"{prefix}:raw:{r}:{i}" for i in range(n)]
         store, load = tier_steps(tiers, keys, blocks, outs)
+        names: list[str] = []
         for depth, conns in configs:
             cfg = f"pipeline={depth},conns={conns}"
+            mine = [f"{prefix}:raw:{r}:{cfg}:{i}" for i in range(n)]  # each its own keys
+            names += mine
             store[f"raw_store:{cfg}"] = timed(
-                spread(names, "set", raw_values, (depth, conns)), "raw store"
+                spread(mine, "set", raw_values, (depth, conns)), "raw store"
             )
-            load[f"raw_load:{cfg}"] = timed(spread(names, "get", None, (depth, conns)), "raw load")
+            load[f"raw_load:{cfg}"] = timed(spread(mine, "get", None, (depth, conns)), "raw load")
         done = None
         if whole is not None:
             ws, wl, done = whole.steps(r)
@@ -166,7 +168,7 @@ def _run(
         def cleanup() -> None:
             for tier in tiers.values():
                 tier.delete(keys)
-            batch(names, "delete", None, n)
+            batch(names, "delete", None, len(names))
             if done is not None:
                 done()
 
