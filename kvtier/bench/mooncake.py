@@ -1,19 +1,26 @@
-"""``kvtier bench mooncake``: the Mooncake tier against the bare Mooncake client, same run.
+"""``kvtier bench mooncake``: the Mooncake tier and the store's whole path against the fastest
+bare Mooncake client configuration found, same bytes, same run.
 
-Both sides move ``--blocks`` blocks of ``--block-mib`` MiB in one batched call per direction,
-through the *same* ``MooncakeDistributedStore`` client (the tier's own): the tier through
-``put``/``get_into`` (header, xxh3 checksum of the payload, verification on read), the raw side
-as ``batch_put_from``/``batch_get_into`` of values of the same size, no framing and no
-verification. Both sides move memory registered once with the transfer engine (the raw side
-with ``register_buffer``, the tier's sources and destinations with ``MooncakeTier.register``, as
-a deployment registers its host arena). The tier's blocks are framed (``codec.framed_empty``,
-as the store's staging buffers are), so each value moves as one buffer; ``--plain`` measures
-plain arrays, whose header moves as a second buffer. Rounds are interleaved as
-``kvtier.bench.remote`` describes; each round's objects are removed after it.
+Every step moves ``--blocks`` blocks of ``--block-mib`` MiB (``kvtier.bench.remote`` interleaves
+them), through the *same* ``MooncakeDistributedStore`` client (the tier's own):
 
-Without ``--master`` a ``mooncake_master`` and a ``mooncake_client`` holding the pool memory
-(``--pool-mib``) are started on 127.0.0.1 from the installed wheel and stopped by PID at the end:
-the benchmarked client then reaches the pool over TCP, as a node reaches a remote memory pool.
+- ``raw_store:batch=B,registered`` / ``raw_load:...``: ``batch_put_from`` / ``batch_get_into``
+  of values of the tier's size in calls of ``B`` (``--blocks`` and 4), from and into memory
+  registered once with ``register_buffer``; no framing, no verification. The fastest is the
+  limit;
+- ``store`` / ``load``: the tier's ``put``/``get_into`` (header, xxh3 checksum of the payload,
+  verification on read), its sources and destinations registered with ``MooncakeTier.register``
+  as a deployment registers its host arena (with ``--auth-pair`` also ``store_mac`` /
+  ``load_mac``). The blocks are framed (``codec.framed_empty``, as the store's staging buffers
+  are), so each value moves as one buffer; ``--plain`` measures plain arrays, whose header moves
+  as a second buffer;
+- ``write_through`` / ``read_path`` (unless ``--no-whole-path``): ``TieredStore.store()`` until a
+  second process sees every block, and that process's ``load()`` (``kvtier.bench.peer``).
+
+Each round's objects are removed after it. Without ``--master`` a ``mooncake_master`` and a
+``mooncake_client`` holding the pool memory (``--pool-mib``) are started on 127.0.0.1 from the
+installed wheel and stopped by PID at the end: the benchmarked client then reaches the pool over
+TCP, as a node reaches a remote memory pool.
 """
 
 from __future__ import annotations

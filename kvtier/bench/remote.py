@@ -1,13 +1,15 @@
-"""What the server-tier benchmarks (``redis``, ``s3``, ``mooncake``) share: a tier against its
-bare client, moving the same bytes in the same run.
+"""What the server-tier benchmarks (``redis``, ``s3``, ``mooncake``) share: the tier and the
+store's whole path against the fastest bare-client configuration found, same bytes, same run.
 
-Each round times four steps -- ``raw_store``, ``store``, ``raw_load``, ``load`` -- each a whole
-batch. Rounds alternate the order within each pair (raw then tier, tier then raw, ...) after one
-unmeasured warm-up round, so order effects and drift on a shared machine hit both sides alike.
-Reported: the best round of each step (``*_gbps``), the ratio of the bests (``store_ratio``,
-``load_ratio``) and the median of the per-round ratios (``*_ratio_median``: each round's pair ran
-back to back, so it resists drift best). A step that reports failure aborts the benchmark: a
-throughput number for work that was not done would be a lie.
+A round has a write group and a read group of steps, each step one whole batch (``Round``):
+several ``raw_*`` bare-client configurations (the bench module says which: pipeline depth and
+connections, batch size and buffer registration, concurrency), the tier's ``store``/``load``
+(and ``store_mac``/``load_mac`` with ``--auth-pair``: the same through a tier whose blocks carry
+a keyed MAC, in the same rounds), and the store's ``write_through``/``read_path`` seen from a
+second process (``kvtier.bench.peer``; ``--no-whole-path`` skips them). After one unmeasured
+warm-up round the order within each group rotates every round, so order effects and drift on a
+shared machine hit every step alike (``interleaved`` says what is reported). A step that fails
+aborts the benchmark: a throughput number for work that was not done would be a lie.
 
 The tier side moves framed buffers (header room before each payload) as the store's staging
 buffers are; ``--plain`` gives it plain arrays instead. Also here: the block layout every server

@@ -1,12 +1,20 @@
-"""``kvtier bench s3``: the S3 tier against the bare boto3 client, same bytes, same run.
+"""``kvtier bench s3``: the S3 tier and the store's whole path against the fastest bare boto3
+configuration found, same bytes, same run.
 
-Both sides move ``--blocks`` objects of ``--block-mib`` MiB with the same boto3 client settings
-and the same number of concurrent requests (``--workers``): the tier through ``put``/``get_into``
-(sealing, conditional PUT, header + checksum verification, copy into the caller's buffer), the
-raw client as plain ``put_object``/``get_object(...).read()``. Rounds are interleaved as
-``kvtier.bench.remote`` describes. Without ``--endpoint`` a moto S3 server is started on a free
-127.0.0.1 port and stopped (by PID) at the end; moto is a Python server, so absolute numbers
-say little -- the ratio is the point.
+Every step moves ``--blocks`` objects of ``--block-mib`` MiB with the same boto3 client settings
+(``kvtier.bench.remote`` interleaves them):
+
+- ``raw_store:concurrency=C`` / ``raw_load:...``: plain ``put_object`` /
+  ``get_object(...).read()`` with ``C`` requests in flight (powers of two up to the tier's
+  ``--workers``). The fastest is the limit;
+- ``store`` / ``load``: the tier's ``put``/``get_into`` with ``--workers`` requests in flight
+  (sealing, conditional PUT, header + checksum verification, copy into the caller's buffer);
+  with ``--auth-pair`` also ``store_mac`` / ``load_mac``;
+- ``write_through`` / ``read_path`` (unless ``--no-whole-path``): ``TieredStore.store()`` until a
+  second process sees every block, and that process's ``load()`` (``kvtier.bench.peer``).
+
+Without ``--endpoint`` a moto S3 server is started on a free 127.0.0.1 port and stopped (by PID)
+at the end; moto is a Python server, so absolute numbers say little -- the ratio is the point.
 """
 
 from __future__ import annotations
