@@ -36,6 +36,7 @@ from kvtier.config import StoreConfig
 from kvtier.errors import LayoutError
 from kvtier.keys import BlockKey, Namespace, TokenIds, iter_keys
 from kvtier.kvarray import host_array
+from kvtier.moves import split_moves
 from kvtier.readpath import ReadPath
 from kvtier.tiers.base import Array
 
@@ -216,7 +217,8 @@ class TieredStore(ReadPath):
             through = self._decider.plan_write_through(
                 [k for k, g in zip(new_keys, ok, strict=True) if g], owner
             )
-        self._submit("write-through", through)
+        for part in split_moves(through, self._engine.workers):  # on every worker at once
+            self._submit("write-through", part)
         return written
 
     # -- prefetch / pin --------------------------------------------------------------------
