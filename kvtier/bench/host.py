@@ -13,8 +13,8 @@ thread pool plus the caller, the work split into contiguous runs as the engine s
 - ``memcpy_whole_{t}t``: the whole contiguous buffer in ``t`` pieces (glibc streams copies over
   its non-temporal threshold past the cache, which block-sized copies may not reach).
 
-Every round runs every copy and the tier's store and load back to back (so drift on a shared
-machine hits all of them); ``*_gbps`` are the best of ``--rounds``, ``store_vs_best`` /
+After one unmeasured warm-up round, every round runs every copy and the tier's store and load
+back to back (so drift on a shared machine hits all of them); ``*_gbps`` are the best of ``--rounds``, ``store_vs_best`` /
 ``load_vs_best`` the ratio of the tier's best to the best copy's (named in ``store_baseline`` /
 ``load_baseline``), and ``*_vs_best_rounds`` the same ratio within each round (its spread).
 
@@ -144,10 +144,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     refs = {**store_refs, **load_refs, **whole_refs}
     times: dict[str, list[float]] = {name: [] for name in [*refs, "store", "load"]}
 
+    warm = [True]
+
     def timed(name: str, fn: Callable[..., Any], *fn_args: Any) -> Any:
         t0 = time.perf_counter()
         got = fn(*fn_args)
-        times[name].append(time.perf_counter() - t0)
+        if not warm[0]:
+            times[name].append(time.perf_counter() - t0)
         return got
 
     identical = True
@@ -155,7 +158,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tier = HostTier(lay, (blocks + 1) * lay.block_bytes)
     try:
         with TieredStore(lay, [tier], workers=args.workers) as st:
-            for _ in range(args.rounds):
+            for r in range(-1, args.rounds):  # round -1 warms threads, pages and caches
+                warm[0] = r < 0
                 for name, (fn, t) in refs.items():
                     timed(name, fn, t)
                 toks = np.full(n_tok, next(counter), dtype=np.int64)
