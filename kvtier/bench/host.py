@@ -14,9 +14,10 @@ thread pool plus the caller, the work split into contiguous runs as the engine s
   its non-temporal threshold past the cache, which block-sized copies may not reach).
 
 After one unmeasured warm-up round, every round runs every copy and the tier's store and load
-back to back (so drift on a shared machine hits all of them); ``*_gbps`` are the best of ``--rounds``, ``store_vs_best`` /
-``load_vs_best`` the ratio of the tier's best to the best copy's (named in ``store_baseline`` /
-``load_baseline``), and ``*_vs_best_rounds`` the same ratio within each round (its spread).
+back to back (so drift on a shared machine hits all of them); ``*_gbps`` are the best of
+``--rounds``, ``store_vs_best`` / ``load_vs_best`` the ratio of the tier's best to the best
+copy's (named in ``store_baseline`` / ``load_baseline``), and ``*_vs_best_rounds`` the same
+ratio within each round (its spread).
 
 Also timed: ``lookup`` of a fully cached 128K-token prompt (numpy token array and Python list)
 and a miss on the first block.
