@@ -52,16 +52,22 @@ def _check(out: dict[str, Any], configs: set[str]) -> None:
     assert out["write_through_ratio"] == pytest.approx(ratio)
 
 
+def _check_auth_pair(out: dict[str, Any]) -> None:
+    """The MAC'd tier (the default) and the plain one ran in the same rounds."""
+    assert out["auth"] == "mac" and out["auth_pair"] is True
+    for step in ("store_noauth", "load_noauth"):
+        assert out[f"{step}_gbps"] > 0 and out[f"{step}_ratio_median"] > 0
+
+
 def test_bench_redis(redis_url: str) -> None:
-    _check(
-        _bench("redis", "--url", redis_url, "--encrypt"),
-        {"pipeline=2,conns=1", "pipeline=2,conns=2"},
-    )
+    out = _bench("redis", "--url", redis_url, "--auth-pair")
+    _check(out, {"pipeline=2,conns=1", "pipeline=2,conns=2"})
+    _check_auth_pair(out)
 
 
 def test_bench_s3(s3_endpoint: str) -> None:
     _check(
-        _bench("s3", "--endpoint", s3_endpoint, "--workers", "2"),
+        _bench("s3", "--endpoint", s3_endpoint, "--workers", "2", "--encrypt"),
         {"concurrency=1", "concurrency=2"},
     )
 

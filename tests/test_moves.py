@@ -51,7 +51,7 @@ def test_a_write_through_split_over_workers_is_whole_on_another_node(redis_url: 
 
     def node() -> TieredStore:
         shared = RedisTier(LAY, RedisOptions(url=redis_url), prefix=prefix,
-                           sealer=BlockSealer(LAY, b""))  # fmt: skip
+                           sealer=BlockSealer(LAY, secret=b"s" * 32))  # fmt: skip
         host = HostTier(LAY, (n + 1) * LAY.block_bytes)
         return TieredStore(LAY, [host, shared], model_id="m", workers=2)
 

@@ -173,7 +173,7 @@ def test_one_full_directory_of_two_does_not_stop_demotions(small_fs: Path, tmp_p
     assert roomy is not None
     held = len(roomy.entries)
     prompts = [[s] * 8 for s in range(1, 7)]  # 12 blocks; the host tier holds 4
-    with TieredStore(SMALL, [HostTier(SMALL, 4 * SMALL.block_bytes), nvme]) as st:
+    with TieredStore(SMALL, [HostTier(SMALL, 4 * SMALL.block_bytes), nvme], model_id="test") as st:
         for p in prompts:
             st.store(p, kv_for(p))
         st.flush()

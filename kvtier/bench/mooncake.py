@@ -214,7 +214,7 @@ def _run(args: argparse.Namespace, lay: KVLayout, master: str) -> dict[str, Any]
             )
 
         if not args.no_whole_path:
-            seal = variants["mac" if "mac" in variants else ""]  # as a deployment would run it
+            seal = variants[""]  # as configured (by default with its MAC, as deployed)
             spec = {"master": master, "protocol": args.protocol,
                     "local_hostname": args.local_hostname, "buffer_size": buffer_size,
                     "prefix": f"{prefix}wp", "seal": seal.json()}  # fmt: skip
@@ -260,5 +260,6 @@ def _run(args: argparse.Namespace, lay: KVLayout, master: str) -> dict[str, Any]
         "protocol": args.protocol,
         "encrypted": bool(args.encrypt),
         "framed": not args.plain,
+        "auth": variants[""].sealer(lay).mode,
         "auth_pair": bool(args.auth_pair),
     }

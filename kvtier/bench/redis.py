@@ -142,7 +142,7 @@ def _run(
 
     whole = None
     if not args.no_whole_path:
-        seal = variants["mac" if "mac" in variants else ""]  # as a deployment would run it
+        seal = variants[""]  # as configured (by default with its MAC, as deployed)
         spec = {"url": opts.url, "cluster": list(cluster), "prefix": f"{prefix}wp",
                 "seal": seal.json()}  # fmt: skip
         whole = WholePath(lay, "kvtier.bench.redis", lambda: peer_tier(lay, spec), spec, n)
@@ -190,5 +190,6 @@ def _run(
         "blocks": n,
         "encrypted": bool(args.encrypt),
         "framed": not args.plain,
+        "auth": variants[""].sealer(lay).mode,
         "auth_pair": bool(args.auth_pair),
     }

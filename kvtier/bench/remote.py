@@ -46,10 +46,15 @@ def add_round_arguments(parser: argparse.ArgumentParser, blocks: int, rounds: in
     parser.add_argument("--rounds", type=int, default=rounds, help=f"interleaved rounds ({rounds})")
     parser.add_argument("--encrypt", action="store_true", help="AES-GCM seal the tier's blocks")
     parser.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="plain blocks (trust_pool): measure the tier without its MAC",
+    )
+    parser.add_argument(
         "--auth-pair",
         action="store_true",
-        help="also run a tier whose blocks carry a keyed MAC (steps store_mac, load_mac), "
-        "in the same rounds as the tier without",
+        help="also run the tier with plain, unauthenticated blocks (trust_pool; steps "
+        "store_noauth, load_noauth) in the same rounds as the tier with its MAC",
     )
     parser.add_argument(
         "--no-whole-path",
@@ -66,33 +71,41 @@ def add_round_arguments(parser: argparse.ArgumentParser, blocks: int, rounds: in
 
 @dataclass(frozen=True, slots=True)
 class SealSpec:
-    """How a bench tier seals its blocks: AES-GCM under ``encryption_key`` (empty: none), and
-    whether a keyed MAC authenticates plain blocks. Plain JSON both ways (``json`` /
-    ``from_json``), so a second store process seals and opens the same way."""
+    """How a bench tier seals its blocks: AES-GCM under ``encryption_key``, else a keyed MAC
+    under ``secret`` (what a deployment runs), else plain in a pool trusted unauthenticated.
+    Plain JSON both ways (``json`` / ``from_json``), so a second store process seals and opens
+    the same way."""
 
     encryption_key: bytes = b""
-    mac: bool = False
+    secret: bytes = b""
 
     def sealer(self, layout: KVLayout) -> BlockSealer:
-        if self.mac:
-            raise ConfigError("--auth-pair: this build's BlockSealer has no keyed MAC yet")
-        return BlockSealer(layout, self.encryption_key)
+        if self.encryption_key:
+            return BlockSealer(layout, self.encryption_key)
+        if self.secret:
+            return BlockSealer(layout, secret=self.secret)
+        return BlockSealer(layout, trusted=True)
 
     def json(self) -> dict[str, Any]:
-        return {"encryption_key": self.encryption_key.hex(), "mac": self.mac}
+        return {"encryption_key": self.encryption_key.hex(), "secret": self.secret.hex()}
 
     @classmethod
     def from_json(cls, spec: dict[str, Any]) -> SealSpec:
-        return cls(bytes.fromhex(spec["encryption_key"]), bool(spec["mac"]))
+        return cls(bytes.fromhex(spec["encryption_key"]), bytes.fromhex(spec["secret"]))
 
 
 def seal_variants(args: argparse.Namespace) -> dict[str, SealSpec]:
-    """The tiers a bench runs side by side: ``""`` (as configured) and, with ``--auth-pair``,
-    ``"mac"``; their steps are ``store``/``load`` and ``store_mac``/``load_mac``."""
-    key = os.urandom(32) if args.encrypt else b""
-    out = {"": SealSpec(key)}
+    """The tiers a bench runs side by side: ``""`` as configured (AES-GCM with ``--encrypt``,
+    plain with ``--no-auth``, else a MAC under a fresh random secret) and, with ``--auth-pair``,
+    ``"noauth"`` (plain, trusted pool) beside the MAC'd one: the MAC's cost in the same rounds.
+    Their steps are ``store``/``load`` and ``store_noauth``/``load_noauth``."""
+    if args.encrypt:
+        return {"": SealSpec(encryption_key=os.urandom(32))}
+    if args.no_auth:
+        return {"": SealSpec()}
+    out = {"": SealSpec(secret=os.urandom(32))}
     if args.auth_pair:
-        out["mac"] = SealSpec(key, mac=True)
+        out["noauth"] = SealSpec()
     return out
 
 

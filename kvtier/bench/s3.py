@@ -131,7 +131,7 @@ def _run(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
 
     whole = None
     if not args.no_whole_path:
-        seal = variants["mac" if "mac" in variants else ""]  # as a deployment would run it
+        seal = variants[""]  # as configured (by default with its MAC, as deployed)
         spec = {"bucket": args.bucket, "endpoint": endpoint, "workers": args.workers,
                 "prefix": f"{prefix}wp", "seal": seal.json()}  # fmt: skip
         whole = WholePath(lay, "kvtier.bench.s3", partial(peer_tier, lay, spec), spec, n)
@@ -182,5 +182,6 @@ def _run(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
         "workers": args.workers,
         "encrypted": bool(args.encrypt),
         "framed": not args.plain,
+        "auth": variants[""].sealer(lay).mode,
         "auth_pair": bool(args.auth_pair),
     }

@@ -109,6 +109,8 @@ class MooncakeTier(RemoteTier):
         rpc_timeout_s: float = 5.0,
         sealer: BlockSealer | None = None,
         quotas: TenantQuotas | None = None,
+        secret: bytes = b"",
+        trust_pool: bool = False,
     ) -> None:
         super().__init__(
             layout,
@@ -116,12 +118,15 @@ class MooncakeTier(RemoteTier):
             cooldown_s=cooldown_s,
             sealer=sealer,
             quotas=quotas,
+            secret=secret,
+            trust_pool=trust_pool,
         )
         if protocol not in ("tcp", "rdma"):
             raise ConfigError(f"mooncake tier protocol must be 'tcp' or 'rdma', got {protocol!r}")
         if replicas < 1:
             raise ConfigError(f"mooncake tier replicas must be >= 1, got {replicas}")
         master_endpoint(master)  # a ConfigError before anything is allocated
+        self.require_authentication()
         self.master = master
         self.replicas = replicas
         self.rpc_timeout_s = rpc_timeout_s
@@ -341,7 +346,7 @@ class MooncakeTier(RemoteTier):
         n = self.block_bytes
         batch = BatchBuffers(client, self._regs, st, n)
         ok = [True] * len(idx)
-        flats = [None if self.sealer.encrypted else flat_bytes(blocks[i]) for i in idx]
+        flats = [flat_bytes(blocks[i]) if self.sealer.in_place else None for i in idx]
         plain = [f for f in flats if f is not None]
         sums = iter(codec.checksums(plain))  # in the order of ``plain``
         try:
@@ -400,7 +405,7 @@ class MooncakeTier(RemoteTier):
         for i, slot in zip(idx, slots, strict=True):
             out = outs[i]
             flat = None
-            if not self.sealer.encrypted and out.flags.writeable:
+            if self.sealer.in_place and out.flags.writeable:
                 flat = flat_bytes(out)
             direct.append(flat)
             if flat is not None:
@@ -423,6 +428,7 @@ class MooncakeTier(RemoteTier):
             key = keys[i]
             if code != value_bytes:
                 if foreign_size(client, names[j], code, value_bytes):
+                    self.sealer.reject()  # not a value this deployment writes
                     bad.append(names[j])
                 continue
             flat, header = direct[j], headers[j]

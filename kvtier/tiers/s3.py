@@ -116,9 +116,17 @@ class S3Tier(RemoteTier):
         cooldown_s: float = 10.0,
         sealer: BlockSealer | None = None,
         quotas: TenantQuotas | None = None,
+        secret: bytes = b"",
+        trust_pool: bool = False,
     ) -> None:
         super().__init__(
-            layout, breaker_name="s3 tier", cooldown_s=cooldown_s, sealer=sealer, quotas=quotas
+            layout,
+            breaker_name="s3 tier",
+            cooldown_s=cooldown_s,
+            sealer=sealer,
+            quotas=quotas,
+            secret=secret,
+            trust_pool=trust_pool,
         )
         prefix = prefix.strip("/")
         if not prefix:
@@ -127,6 +135,7 @@ class S3Tier(RemoteTier):
             raise ConfigError(f"s3 tier: ttl_days must be >= 0, got {ttl_days}")
         if multipart_chunk < 5 << 20:
             raise ConfigError("s3 tier: multipart_chunk must be at least 5MiB (an S3 limit)")
+        self.require_authentication()
         self.options = options
         self.prefix = prefix
         self.create_bucket = create_bucket
@@ -347,7 +356,7 @@ class S3Tier(RemoteTier):
                 return False
             raise
         body = resp["Body"]
-        flat = None if self.sealer.encrypted or not out.flags.writeable else flat_bytes(out)
+        flat = flat_bytes(out) if self.sealer.in_place and out.flags.writeable else None
         stream = http_stream(body) if resp.get("ContentLength") == self.value_bytes else None
         value: bytes | bytearray
         if flat is not None and stream is not None:
@@ -365,7 +374,7 @@ class S3Tier(RemoteTier):
             value = body.read()
             if self.sealer.open_into(key, value, out, tenant):
                 return True
-        if self.sealer.droppable(value):
+        if self.sealer.droppable(key, value):
             log.warning("s3 tier: object %s failed verification: deleted", name)
             client.delete_object(Bucket=self.options.bucket, Key=name)
         return False
