@@ -135,7 +135,11 @@ class TokenIds:
                 f"tokens must be 1-D (one sequence), got a nested element near {start}"
             )
         if arr.dtype.kind not in "iu":
-            at = next((i for i, v in enumerate(part) if not isinstance(v, int | np.integer)), 0)
+            at = next((i for i, v in enumerate(part) if not isinstance(v, int | np.integer)), -1)
+            if at < 0:  # all integers, some beyond 64 bits (numpy keeps those as objects)
+                at, v = next((i, v) for i, v in enumerate(part) if not 0 <= v < 2**32)
+                rule = "non-negative" if v < 0 else "< 2**32"
+                raise TokenError(f"token ids must be {rule}, found {v} at position {start + at}")
             raise TokenError(
                 f"tokens must be integers, got {arr.dtype} ({part[at]!r} at position {start + at})"
             )

@@ -161,6 +161,8 @@ class ReadPath(StoreCore):
         except Exception:
             log.exception("promotion into %s failed", first.name)
         finally:
+            if not all(ok):  # what a raising put wrote is not indexed: free its slots
+                first.delete([k for (k, _), g in zip(todo, ok, strict=True) if not g], owner)
             with self._lock:
                 idx.end_write([k for k, _ in todo], 0, ok)
                 self._decider.counters.promotions += sum(ok)

@@ -33,12 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import StoreConfig
-from kvtier.errors import LayoutError
+from kvtier.decider import checked_reuse_class
+from kvtier.errors import ConfigError, LayoutError
 from kvtier.keys import BlockKey, Namespace, TokenIds, iter_keys
 from kvtier.kvarray import host_array
 from kvtier.lease import Lease
 from kvtier.moves import split_moves
 from kvtier.readpath import ReadPath
+from kvtier.store_core import log
 from kvtier.tiers.base import Array
 
 
@@ -98,12 +100,11 @@ class TieredStore(ReadPath):
         ns = self.namespace(tenant, adapter, salt)
         first = self._first_block(start, toks)
         limit = len(toks) // self.layout.block_tokens
-        entries = self._index.entries
+        readable = self._index.readable  # what a load can read: not a block on its way out
         n = first
         with self._lock:
             for key in islice(iter_keys(ns, toks), first, limit):
-                e = entries.get(key)
-                if e is None or not e.tiers:
+                if readable(key) is None:
                     break
                 n += 1
         n += len(self._shared_extension(ns, toks, n, limit))
@@ -155,8 +156,12 @@ class TieredStore(ReadPath):
         dtype, or a torch tensor) and covers ``tokens[start : start + n]``; ``start`` (a
         multiple of ``block_tokens``) lets an engine store only what follows a prefix it
         already stored, without gathering it again. Raises ``TokenError``/``LayoutError`` (and
-        ``ConfigError`` for a bad tenant/adapter/salt) before storing anything if the input is
-        malformed. When the first tier is pinned full, the leading blocks that fit are stored.
+        ``ConfigError`` for a bad tenant/adapter/salt, ``RequestError`` for an unhashable
+        ``reuse_class``) before storing anything if the input is malformed; any exception
+        leaves nothing of the call stored that the store cannot evict (see
+        ``BlockIndex.end_write``). A first tier that raises stores nothing of its batch
+        (logged), as one that reports failure. When the first tier is pinned full, the leading
+        blocks that fit are stored.
 
         ``reuse_class`` labels the request for learned admission (``kvtier.policy.admission``):
         any hashable that tells kinds of requests apart, e.g. ``output_class(generated_tokens,
@@ -165,6 +170,7 @@ class TieredStore(ReadPath):
         blocks accordingly; a class without signal changes nothing. ``None``: unlabelled.
         """
         self._check_open()
+        reuse_class = checked_reuse_class(reuse_class)
         toks = TokenIds(tokens)
         arr = host_array(kv, self.layout, "kv")
         ns = self.namespace(tenant, adapter, salt)
@@ -235,12 +241,23 @@ class TieredStore(ReadPath):
             ok = self._engine.run_parallel(
                 lambda part: first.put([k for k, _ in part], [v for _, v in part], owner), items
             )
-        except BaseException:
+        except BaseException as exc:
+            # a tier that raises broke its contract: nothing of the batch is stored, and what
+            # it wrote before raising is deleted, or those slots would be taken for good
+            # (pending here, so no one else writes these keys into this tier)
+            first.delete(new_keys, owner)
             with self._lock:
                 idx.end_write(new_keys, 0, [False] * len(new_keys))
-            raise
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt & co
+            log.exception("store: %s raised on put; nothing stored", first.name)
+            return 0
         with self._lock:
-            idx.end_write(new_keys, 0, ok, reuse_class)
+            try:
+                idx.end_write(new_keys, 0, ok, reuse_class)
+            except BaseException:  # rolled back in the index: the tier forgets them too
+                first.delete([k for k, g in zip(new_keys, ok, strict=True) if g], owner)
+                raise
             written = sum(ok)
             tokens = written * self.layout.block_tokens
             for cnt in self._decider.counted(ns.tenant):
@@ -265,7 +282,9 @@ class TieredStore(ReadPath):
         """Pin the readable cached run of blocks from ``start`` in local tiers (no eviction)
         until ``Lease.release()``; ``Lease.end`` is where that run ends (tokens). What an engine
         holds between a lookup and the load that follows; blocks only in a shared tier cannot
-        be held (the pool evicts on its own) and are not counted."""
+        be held (the pool evicts on its own) and are not counted. Counts only blocks a ``load``
+        can read: not one whose eviction is already under way with no copy left behind
+        (``BlockIndex.readable``), which a pin could not keep."""
         self._check_open()
         toks = TokenIds(tokens)
         ns = self.namespace(tenant, adapter, salt)
@@ -298,10 +317,37 @@ class TieredStore(ReadPath):
         with self.lease(tokens, tenant, adapter=adapter, salt=salt) as held:
             yield held.end
 
-    def flush(self, timeout: float | None = None) -> None:
-        """Wait until pending demotions, promotions and write-throughs have completed."""
+    def flush(self, timeout: float | None = None, *, durable: bool = False) -> int:
+        """Wait until pending demotions, promotions and write-throughs have completed.
+
+        ``durable``: the store's durability point. Every block held when the call starts is
+        copied from the volatile tiers (host, device) down to the first persistent local tier
+        (NVMe), as ``close`` does, and that tier's index is synced; on return those blocks
+        survive a crash of the process (kill -9) and a power loss, and a new store over the
+        same directories finds them (README: what a crash can lose). A persistent tier too
+        small for everything keeps the most recently stored blocks, evicting its coldest.
+        Returns how many blocks the store holds that are still on no persistent tier (0: all
+        are; always 0 without ``durable``). Blocks stored by other threads during the call
+        may or may not be covered. ``ConfigError`` if ``durable`` and no local tier is
+        persistent. ``timeout`` bounds each wait for the workers (seconds).
+        """
         self._engine.wait_idle(timeout)
         self._poll()
+        if not durable:
+            return 0
+        target = self._decider.persistent_tier()
+        if target is None:
+            raise ConfigError(
+                "flush(durable=True) needs a persistent tier (e.g. nvme) among the local tiers"
+            )
+        with self._lock:
+            moves = self._decider.plan_persist()
+        self._submit("demote", moves)
+        self._engine.wait_idle(timeout)
+        self._poll()
+        self.tiers[target].sync()
+        with self._lock:
+            return self._decider.volatile_only()
 
     def stats(self) -> dict[str, Any]:
         """Counters of the store, per tenant and per tier (see ``MeteredTier.snapshot``; a

@@ -30,6 +30,19 @@ log = logging.getLogger(__name__)
 _NAMESPACE_CACHE = 4096  # namespaces kept: a bound, so per-request salts cannot grow it
 
 
+def _check_count(what: str, value: object, most: int | None = None) -> None:
+    """Raise ``ConfigError`` unless ``value`` is a whole number from 1 to ``most`` (the bounds
+    ``StoreConfig`` enforces on the same keys)."""
+    span = f"1..{most}" if most is not None else ">= 1"
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < 1
+        or (most is not None and value > most)
+    ):
+        raise ConfigError(f"TieredStore {what} must be a whole number {span}, got {value!r}")
+
+
 class StoreCore:
     """Shared state and helpers of ``TieredStore``. Not used on its own."""
 
@@ -79,6 +92,14 @@ class StoreCore:
                 )
         if tiers[0].shared:
             raise ConfigError("the first tier must be local (host or device), not a shared tier")
+        if len({id(t) for t in tiers}) < len(tiers):
+            twice = next(t for i, t in enumerate(tiers) if any(t is u for u in tiers[:i]))
+            raise ConfigError(
+                f"tier {twice.name} is passed twice in tiers; give each tier object once "
+                f"(build a second tier for a second level)"
+            )
+        _check_count("workers", workers, 1024)
+        _check_count("demote_queue", demote_queue)
         if not isinstance(secret, bytes):
             raise ConfigError(f"secret: expected bytes, got {type(secret).__name__}")
         self.layout = layout

@@ -165,14 +165,15 @@ def test_a_block_an_eviction_is_removing_is_a_miss_not_a_loss() -> None:
     keys = [bytes([i]) * 32 for i in range(3)]
     for k in keys:
         dec.index.add_present([k], 1)
+    reads = {k: dec.readable_prefix(iter([k]), 1) for k in keys}  # readers, before the evict
+    assert all(len(r) == 1 for r in reads.values())
     moves: list[Move] = []  # the last tier drops its victims: the move deletes, apply commits
     dec.plan_eviction(1, [keys[0]], moves)
     assert [m.dst for m in moves] == [None]
+    assert dec.readable_prefix(iter([keys[0]]), 1) == []  # a later reader does not count it
     for k in keys:
-        reads = dec.readable_prefix(iter([k]), 1)
-        assert len(reads) == 1
         dec.index.pin([k])
-        dec.finish_load(reads, [False], 0, "t")  # none of them is in the tier
+        dec.finish_load(reads[k], [False], 0, "t")  # none of them is in the tier
     # keys[0]: being evicted -> a miss; keys[1], keys[2]: listed present, unreadable -> lost
     assert dec.counters.invalid_blocks == 2
 

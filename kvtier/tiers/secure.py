@@ -162,6 +162,63 @@ class BlockSealer:
         return not self.authenticated
 
     @property
+    def splits(self) -> bool:
+        """True when a value is ``header | payload [| MAC trailer]`` with the payload as it is
+        (plain or MAC'd, not encrypted): a tier may then move the payload straight from or into
+        the caller's buffer, framing it with ``frame_parts`` and checking it with
+        ``verify_parts``."""
+        return not self.encrypted
+
+    @property
+    def trailer_bytes(self) -> int:
+        """Bytes after the payload in a split value (the MAC's nonce and tag; 0 when plain)."""
+        return MAC_TRAILER if self._mac is not None else 0
+
+    def frame_parts(
+        self, key: BlockKey, payload: Array, tenant: str, checksum: int
+    ) -> tuple[bytes, bytes]:
+        """The header and trailer of a split value around ``payload`` (contiguous, its xxh3
+        ``checksum`` computed by the caller). Only for a sealer that ``splits``."""
+        assert self.splits
+        mac = self._mac is not None
+        flags = codec.FLAG_MAC if mac else 0
+        header = codec.pack_header(key, self._fp, self.block_bytes, checksum, flags)
+        if not mac:
+            return header, b""
+        nonce = os.urandom(NONCE_BYTES)
+        return header, nonce + self._tag(nonce, header, payload.data, tenant)
+
+    def verify_parts(
+        self,
+        key: BlockKey,
+        header: Array,
+        payload: Array,
+        trailer: Array,
+        tenant: str,
+        payload_checksum: int | None = None,
+    ) -> bool:
+        """Whether a split value read in place (``header``, ``payload`` in the caller's buffer,
+        ``trailer``) is block ``key`` of ``tenant``: ``verify_plain`` for a plain sealer, the
+        MAC for an authenticating one (``payload_checksum`` is then not needed). Counts what it
+        rejects."""
+        if self._mac is None:
+            return self.verify_plain(key, header, payload, payload_checksum)
+        hdr = codec.unpack_header(header)
+        ok = (
+            codec.header_matches(hdr, key, self._fp, self.block_bytes)
+            and hdr is not None
+            and hdr.flags == codec.FLAG_MAC
+            and trailer.nbytes == MAC_TRAILER
+        )
+        if ok:
+            raw = trailer.tobytes()
+            tag = self._tag(raw[:NONCE_BYTES], header.data, payload.data, tenant)
+            ok = hmac.compare_digest(tag, raw[NONCE_BYTES:])
+        if not ok:
+            self.reject()
+        return ok
+
+    @property
     def mode(self) -> str:
         """``"aes-gcm"``, ``"mac"`` or ``"trusted-unauthenticated"`` (``"none"`` unconfigured)."""
         if self.encrypted:
