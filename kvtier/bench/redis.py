@@ -30,6 +30,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -111,14 +112,15 @@ def _run(
     }
     value_bytes = next(iter(tiers.values())).sealer.value_bytes
     raw = opts.connect()  # the tier's own client setup (values go out without a copy)
-    pool = ThreadPoolExecutor(2, thread_name_prefix="bench-redis")
+    conns = (1, 2)
+    pool = ThreadPoolExecutor(max(conns), thread_name_prefix="bench-redis")
     n = args.blocks
     blocks = tier_buffers(random_blocks(lay, n), args.plain)
     outs = tier_buffers([np.empty(lay.block_shape, dtype=np.uint16) for _ in range(n)], args.plain)
     # the same bytes as memoryviews of page-touched buffers: the fastest way to hand redis-py
     # a value (bytes would be copied by its hiredis packer)
     raw_values = [np.ones(value_bytes, np.uint8).data for _ in range(n)]
-    configs = sorted({(p, c) for p in (n, min(n, 8)) for c in (1, min(n, 2))}, reverse=True)
+    configs = sorted({(p, min(n, c)) for p in (n, min(n, 8)) for c in conns}, reverse=True)
 
     def batch(names: list[str], op: str, values: list[memoryview] | None, depth: int) -> bool:
         ok = True
@@ -136,8 +138,10 @@ def _run(
         depth, conns = cfg
         if conns == 1:
             return lambda: batch(names, op, values, depth)
-        half = len(names) // 2
-        parts = [(names[:half], values and values[:half]), (names[half:], values and values[half:])]
+        cuts = [len(names) * i // conns for i in range(conns + 1)]
+        parts = [
+            (names[lo:hi], None if values is None else values[lo:hi]) for lo, hi in pairwise(cuts)
+        ]
         return lambda: all(pool.map(lambda p: batch(p[0], op, p[1], depth), parts))
 
     whole = None
