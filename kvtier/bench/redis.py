@@ -10,8 +10,9 @@ Steps per round (``kvtier.bench.remote`` interleaves them), each moving ``--bloc
   commands on ``C`` connections at once (``P`` in ``--blocks`` and 8, ``C`` in 1 and 2); the
   reply stays in redis-py's ``bytes`` (the raw side does *less* work). The fastest is the limit;
 - ``store`` / ``load``: the tier's ``put``/``get_into`` of the whole batch in one pipeline
-  (sealing, header + checksum verification, copy into the caller's buffer); with ``--auth-pair``
-  also ``store_mac`` / ``load_mac``, the same through a tier whose blocks carry a keyed MAC;
+  (sealing with the MAC by default, header + checksum + MAC verification, copy into the
+  caller's buffer); with ``--auth-pair`` also ``store_noauth`` / ``load_noauth``, the same
+  through a tier whose blocks are plain (a trusted pool): the MAC's cost in the same rounds;
 - ``write_through`` / ``read_path`` (unless ``--no-whole-path``): ``TieredStore.store()`` until a
   second process sees every block, and that process's ``load()`` (``kvtier.bench.peer``).
 

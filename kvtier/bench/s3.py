@@ -9,7 +9,7 @@ Every step moves ``--blocks`` objects of ``--block-mib`` MiB with the same boto3
   ``--workers``). The fastest is the limit;
 - ``store`` / ``load``: the tier's ``put``/``get_into`` with ``--workers`` requests in flight
   (sealing, conditional PUT, header + checksum verification, copy into the caller's buffer);
-  with ``--auth-pair`` also ``store_mac`` / ``load_mac``;
+  MAC'd by default; with ``--auth-pair`` also ``store_noauth`` / ``load_noauth`` (plain blocks);
 - ``write_through`` / ``read_path`` (unless ``--no-whole-path``): ``TieredStore.store()`` until a
   second process sees every block, and that process's ``load()`` (``kvtier.bench.peer``).
 
