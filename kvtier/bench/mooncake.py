@@ -11,9 +11,9 @@ them), through the *same* ``MooncakeDistributedStore`` client (the tier's own):
 - ``store`` / ``load``: the tier's ``put``/``get_into`` (header, xxh3 checksum of the payload,
   verification on read), its sources and destinations registered with ``MooncakeTier.register``
   as a deployment registers its host arena; MAC'd by default (with ``--auth-pair`` also
-  ``store_noauth`` / ``load_noauth``, plain blocks in a trusted pool). The blocks are framed (``codec.framed_empty``, as the store's staging buffers
-  are), so each value moves as one buffer; ``--plain`` measures plain arrays, whose header moves
-  as a second buffer;
+  ``store_noauth`` / ``load_noauth``, plain blocks in a trusted pool). The blocks are framed
+  (``codec.framed_empty``, as the store's staging buffers are), so each value moves as one
+  buffer; ``--plain`` measures plain arrays, whose header moves as a second buffer;
 - ``write_through`` / ``read_path`` (unless ``--no-whole-path``): ``TieredStore.store()`` until a
   second process sees every block, and that process's ``load()`` (``kvtier.bench.peer``).
 

@@ -5,8 +5,9 @@ A round has a write group and a read group of steps, each step one whole batch (
 several ``raw_*`` bare-client configurations (the bench module says which: pipeline depth and
 connections, batch size and buffer registration, concurrency), the tier's ``store``/``load``
 (its blocks MAC'd by default; with ``--auth-pair`` also ``store_noauth``/``load_noauth``, the
-same through a tier with plain blocks, in the same rounds), and the store's ``write_through``/``read_path`` seen from a
-second process (``kvtier.bench.peer``; ``--no-whole-path`` skips them). After one unmeasured
+same through a tier with plain blocks, in the same rounds), and the store's
+``write_through``/``read_path`` seen from a second process (``kvtier.bench.peer``;
+``--no-whole-path`` skips them). After one unmeasured
 warm-up round the order within each group rotates every round, so order effects and drift on a
 shared machine hit every step alike (``interleaved`` says what is reported). A step that fails
 aborts the benchmark: a throughput number for work that was not done would be a lie.
