@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -46,6 +47,7 @@ from kvtier.layout import KVLayout, preset
 from kvtier.tiers.nvme import NVMeTier
 from kvtier.tiers.nvme_index import SLOTS_FILE, slot_bytes_for
 
+log = logging.getLogger(__name__)
 FIO_MISSING = "fio not found: install it (Debian: apt-get install fio); no raw limit measured"
 
 
@@ -87,6 +89,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     jobs = _ints(args.jobs, _powers(max(1, args.workers)))
     depths = _ints(args.depths, _powers(max(1, args.workers)))
     fio = shutil.which("fio")
+    if fio is None:
+        log.warning("%s", FIO_MISSING)
     result: dict[str, Any] = {
         "model": args.model,
         "block_bytes": bb,
