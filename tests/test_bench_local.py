@@ -7,6 +7,7 @@ against the best of them, and move the bytes back unchanged.
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -55,11 +56,12 @@ def test_bench_disk_searches_fio_settings_and_reports_latency(tmp_path: Path) ->
 
 
 def test_bench_disk_says_when_fio_is_missing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # a PATH without fio
+    caplog.set_level(logging.WARNING, logger="kvtier.bench.disk")
     out = _run(disk, "--model", SMALL, "--size", "28MiB", "--batch", "2", "--workers", "2",
                "--repeat", "1", "--reopen-blocks", "0", "--dir", str(tmp_path / "b"))  # fmt: skip
-    assert out["raw_limit"] == disk.FIO_MISSING
+    assert out["raw_limit"] == disk.FIO_MISSING and disk.FIO_MISSING in caplog.text
     assert out["raw_write_gbps"] is None and out["store_vs_raw"] is None
     assert out["load_vs_raw"] is None and out["store_gbps"] > 0 and out["load_gbps"] > 0
