@@ -119,15 +119,26 @@ class ServiceProc:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+SPAWNED: list[subprocess.Popen[str]] = []  # client processes, killed by ``kill_spawned``
+
+
 def client_proc(*args: object) -> subprocess.Popen[str]:
     """A ``tests/service_client.py`` process; its stdout lines report progress."""
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, str(CLIENT), *map(str, args)],
         env=env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+    SPAWNED.append(proc)
+    return proc
+
+
+def kill_spawned() -> None:
+    """Kill every client process still running (a failed test leaves none behind)."""
+    while SPAWNED:
+        kill9(SPAWNED.pop())
 
 
 def wait_line(proc: subprocess.Popen[str], word: str, timeout: float = 30.0) -> str:

@@ -27,6 +27,7 @@ from tests.service_helpers import (
     client_proc,
     env,
     kill9,
+    kill_spawned,
     prompt,
     wait_line,
 )
@@ -41,6 +42,12 @@ def until(cond: Callable[[], bool], timeout: float = 15.0) -> bool:
             return True
         time.sleep(0.05)
     return cond()
+
+
+@pytest.fixture(autouse=True)
+def _no_client_left() -> Iterator[None]:
+    yield
+    kill_spawned()
 
 
 @pytest.fixture
