@@ -15,12 +15,26 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
+from typing import Protocol
 
-from kvtier.index import BlockIndex
+from kvtier.index import BlockIndex, PolicySource
 from kvtier.keys import BlockKey
 from kvtier.moves import Move
-from kvtier.tiers.base import Tier
 from kvtier.transfer import Completion
+
+
+class TierFacts(Protocol):
+    """What the decider reads of a tier: a ``kvtier.tiers.base.Tier`` in the store, a plain
+    value in the simulator (``kvtier.sim.storemodel``)."""
+
+    @property
+    def shared(self) -> bool: ...
+    @property
+    def persistent(self) -> bool: ...
+    @property
+    def healthy(self) -> bool: ...
+    @property
+    def capacity_blocks(self) -> int: ...
 
 
 @dataclass(slots=True)
@@ -77,7 +91,9 @@ class Read:
 class Decider:
     """Index + policies + move planning. Not thread-safe: callers hold the store's lock."""
 
-    def __init__(self, tiers: Sequence[Tier], policy: str, block_tokens: int) -> None:
+    def __init__(self, tiers: Sequence[TierFacts], policy: PolicySource, block_tokens: int) -> None:
+        """``policy``: a registry name, or a factory of tier ``t``'s policy from ``(t,
+        capacity)`` (the simulator's, with its offline policies)."""
         self.tiers = tiers
         self.block_tokens = block_tokens
         self.local = [i for i, t in enumerate(tiers) if not t.shared]

@@ -17,11 +17,15 @@ blocks.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from kvtier.keys import BlockKey
 from kvtier.policy import EvictionPolicy, make_policy
+
+#: a policy name (``kvtier.policy.POLICIES``), or a factory of tier ``t``'s policy from
+#: ``(t, capacity in blocks)``
+PolicySource = str | Callable[[int, int], EvictionPolicy[BlockKey]]
 
 
 @dataclass(slots=True)
@@ -40,21 +44,18 @@ class Entry:
 class BlockIndex:
     """Entries by key plus one eviction policy per managed tier. Not thread-safe."""
 
-    def __init__(self, policy: str, capacities: Sequence[int]) -> None:
+    def __init__(self, policy: PolicySource, capacities: Sequence[int]) -> None:
         """``capacities[i]`` is tier i's size in blocks, 0 for a tier the store does not evict
-        from (unbounded / shared tiers evict on their own)."""
+        from (unbounded / shared tiers evict on their own). ``policy`` names each tier's policy
+        or builds it from the tier's capacity."""
         self.entries: dict[BlockKey, Entry] = {}
         self.capacities = list(capacities)
+        build = policy if callable(policy) else lambda _t, c: make_policy(policy, c)
         self.policies: list[EvictionPolicy[BlockKey] | None] = [
-            make_policy(policy, c) if c else None  # type: ignore[misc]
-            for c in capacities
+            build(t, c) if c else None  # type: ignore[misc]
+            for t, c in enumerate(capacities)
         ]
         self.resident = [0] * len(capacities)  # complete + pending-in, per tier
-        pols = self.policies
-        for t in range(1, len(pols)):  # an insert there is a batch of victims, not a chain
-            pol = pols[t]
-            if pol is not None:
-                pols[t] = pol.feed_by_demotion(pols[t - 1])
 
     # -- queries ---------------------------------------------------------------------------
     def readable(self, key: BlockKey) -> Entry | None:

@@ -60,12 +60,10 @@ def summarize(trace: Trace, hier: Hierarchy, res: ReplayResult) -> dict[str, Any
             node_watts += watts
         else:
             shared_watts += watts
-        ranking = res.rankings[t] if t < len(res.rankings) else None
         tiers.append(
             {
                 "name": tier.name,
                 "policy": spec.policy,
-                **({"ranking": ranking} if ranking is not None else {}),
                 "capacity_bytes": tier.capacity_bytes,
                 "capacity_blocks": spec.capacity_blocks,
                 "copies": copies,
@@ -154,10 +152,9 @@ def render(summary: dict[str, Any], title: str = "kvtier simulate") -> str:
     for col in ("tier", "policy", "capacity", "blocks", "hit ratio", "read", "written", "$/month"):
         table.add_column(col, justify="right")
     for t in summary["tiers"]:
-        ranking = t.get("ranking", "density")  # the default's fallback, when it took over
         table.add_row(
             t["name"],
-            t["policy"] + (f" ({ranking})" if ranking != "density" else ""),
+            t["policy"],
             (f"{t['copies']}x " if t["copies"] > 1 else "") + _gb(t["capacity_bytes"]),
             str(t["capacity_blocks"]),
             f"{t['token_hit_ratio']:.3f}",
