@@ -14,12 +14,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from kvtier.policy.density import HitDensity  # noqa: E402
+
 from kvtier.errors import ConfigError, LayoutError, TokenError  # noqa: E402
 from kvtier.integrations import hf, hf_cache  # noqa: E402
 from kvtier.integrations.models import ARCHITECTURES, ModelSpec, random_model  # noqa: E402
 from kvtier.layout import KVLayout  # noqa: E402
 from kvtier.policy.hints import output_class  # noqa: E402
-from kvtier.policy.density import HitDensity  # noqa: E402
 from kvtier.store import TieredStore  # noqa: E402
 from kvtier.tiers.host import HostTier  # noqa: E402
 from kvtier.tiers.nvme import NVMeTier  # noqa: E402

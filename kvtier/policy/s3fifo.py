@@ -59,7 +59,7 @@ class S3FIFO(EvictionPolicy[K]):
         """New keys enter probation (or ``main``, if dropped recently); resident keys in
         ``keys`` count as a hit. ``hint`` is ignored."""
         freq, ghost, small, main = self._freq, self._ghost, self._small, self._main
-        fresh = self._drops - self._ghost_cap  # ghost entries above this are live
+        fresh = max(self._drops - self._ghost_cap, 0)  # ghost entries above this are live
         for k in reversed(keys) if self.leaf_first else keys:
             f = freq.get(k)
             if f is not None:
@@ -151,13 +151,13 @@ class S3FIFO(EvictionPolicy[K]):
             skip_small = skip_main = 0
         self._drops = drops
         if len(ghost) > 2 * self._ghost_cap:
-            live = drops - self._ghost_cap
+            live = max(drops - self._ghost_cap, 0)
             self._ghost = {k: d for k, d in ghost.items() if d > live}
         return victims
 
     def describe(self) -> dict[str, Any]:
         """Queue sizes (``TieredStore.stats()["policies"]``)."""
-        live = self._drops - self._ghost_cap
+        live = max(self._drops - self._ghost_cap, 0)
         return {
             "small": len(self._small),
             "main": len(self._main),

@@ -12,17 +12,18 @@ one node, read on another. Model (the one-node rules of ``kvtier.sim.replay`` ot
   ``BALANCE`` of the mean load, then to the least loaded node (a cache-aware router with a
   balance guard, as serving routers do).
 * **Node tiers.** The tiers before the first shared one (HBM, DRAM, NVMe) exist once per node,
-  each node's a ``TieredStore`` of its own (``kvtier.sim.storemodel.ModelStore``: the store's
-  decisions, an inclusive hierarchy).
+  each node's an exclusive hierarchy of its own (``kvtier.sim.tierchain.TierChain``). This is
+  the older model (whole chains inserted, the partial last block credited), not yet the
+  store's own decisions that one-node replays run (``kvtier.sim.storemodel``): a cluster's
+  numbers are the exclusive model's.
 * **Shared tiers** (from ``shared_from`` on: the pool, object storage) exist once for the
   cluster and are *written through*: when any node has served a request, the shared tiers serve
   its chain too (missing blocks written, blocks found in a lower shared tier moved up, the whole
   chain an access to the first shared tier's policy), so every other node can hit them. A block
-  can be in a node's tiers and in the shared ones at once. The shared tiers are a pool server's,
-  not the store's: an exclusive chain of their own (``kvtier.sim.tierchain.TierChain``).
-* **Hits.** A request's leading run of full blocks is over its node's tiers and the shared ones
-  together; each block is credited to the node tier holding it, else to the shared tier. A
-  block found only in the shared tiers is stored into the node's first tier.
+  can be in a node's tiers and in the shared ones at once.
+* **Hits.** A request's leading run is over its node's tiers and the shared ones together; each
+  block is credited to the node tier holding it, else to the shared tier. A block found only in
+  the shared tiers is copied into the node's first tier.
 
 Belady's MIN is not offered here: each node's future depends on the routing of every request.
 """
@@ -39,9 +40,8 @@ from kvtier.errors import ConfigError
 from kvtier.policy.hints import output_class
 from kvtier.sim.hierarchy import ROUTES
 from kvtier.sim.replay import ReplayResult, TierSpec, build_policy
-from kvtier.sim.storemodel import ModelStore
 from kvtier.sim.tierchain import TierChain
-from kvtier.sim.trace import Trace
+from kvtier.sim.trace import Request, Trace
 
 #: ``cache`` routing: how far above the least loaded node (a fraction of the mean load) a node
 #: may be and still get a request for its cached prefix
@@ -108,10 +108,7 @@ def replay_cluster(
         pols = [build_policy(s, None) for s in tier_specs]
         return TierChain(pols, [s.capacity_blocks for s in tier_specs])
 
-    node_tiers = [
-        ModelStore([s.capacity_blocks for s in own], lambda t, _c: build_policy(own[t], None))
-        for _ in range(nodes)
-    ]
+    node_tiers = [chain_of(own) for _ in range(nodes)]
     shared = chain_of(shared_specs) if shared_specs else None
     by_cache = route == "cache"
     node_of = np.zeros(len(trace.requests), np.int64) if by_cache else route_of(trace, nodes, route)
@@ -119,10 +116,11 @@ def replay_cluster(
     bt = trace.block_tokens
     n_req = len(trace.requests)
     hits = [[0] * n_req for _ in specs]
+    cap0 = own[0].capacity_blocks
     scap = shared_specs[0].capacity_blocks if shared_specs else 0
     block_hits = 0
     for i, (req, n) in enumerate(zip(trace.requests, node_of.tolist(), strict=True)):
-        blocks = req.blocks[: req.input_length // bt]
+        blocks = req.blocks
         if by_cache:
             n = node_of[i] = _by_cache(node_tiers, blocks, load)
         node = node_tiers[n]
@@ -132,12 +130,13 @@ def replay_cluster(
             t if t is not None or s is None else shared_at[s]
             for t, s in zip(located, s_located or [None] * len(blocks), strict=True)
         ]
-        run = credit(both, bt, hits, i)
+        run = credit(both, req, bt, hits, i)
         block_hits += run
         if by_cache:
             load[n] += req.input_length - sum(h[i] for h in hits)
         hint = output_class(req.output_length, run > 0) if hints else None
-        node.serve(blocks, lambda _run, hint=hint: hint)
+        chain = blocks if len(blocks) <= cap0 else blocks[:cap0]
+        node.serve(chain, located[: len(chain)], hint)
         if shared is not None:
             schain = blocks if len(blocks) <= scap else blocks[:scap]
             shared.serve(schain, s_located[: len(schain)], hint)
@@ -146,7 +145,7 @@ def replay_cluster(
     if progress is not None:
         progress(n_req)
 
-    def total(counts: Callable[[ModelStore | TierChain], list[int]]) -> list[int]:
+    def total(counts: Callable[[TierChain], list[int]]) -> list[int]:
         out = [sum(c) for c in zip(*(counts(x) for x in node_tiers), strict=True)]
         out += [0] * (len(specs) - shared_from)
         if shared is not None:
@@ -171,12 +170,12 @@ def replay_cluster(
     )
 
 
-def _by_cache(node_tiers: Sequence[ModelStore], blocks: Sequence[int], load: list[int]) -> int:
+def _by_cache(node_tiers: Sequence[TierChain], blocks: Sequence[int], load: list[int]) -> int:
     """``cache`` routing (module docstring): the node holding the longest leading run of
     ``blocks`` in its own tiers, least loaded first among equals, unless it is overloaded."""
     best, pick = -1, 0
     for n, node in enumerate(node_tiers):
-        run = sum(1 for _ in takewhile(lambda t: t is not None, node.locate(blocks)))
+        run = sum(1 for _ in takewhile(node.where.__contains__, blocks))
         if run > best or (run == best and load[n] < load[pick]):
             best, pick = run, n
     least = min(range(len(load)), key=load.__getitem__)
@@ -185,11 +184,21 @@ def _by_cache(node_tiers: Sequence[ModelStore], blocks: Sequence[int], load: lis
     return pick
 
 
-def credit(located: list[int | None], bt: int, hits: list[list[int]], i: int) -> int:
-    """Credit request ``i``'s cached tokens to the tiers holding its leading run of full blocks
-    (``located``: each block's tier before serving, None if absent), ``bt`` tokens a block, in
-    ``hits[tier][i]``. Returns the run's length in blocks."""
-    run = located.index(None) if None in located else len(located)
-    for t in located[:run]:
-        hits[t][i] += bt  # type: ignore[index]
+def credit(located: list[int | None], req: Request, bt: int, hits: list[list[int]], i: int) -> int:
+    """Credit request ``i``'s cached tokens to the tiers holding its leading run of blocks
+    (``located``: each block's tier before serving, None if absent) in ``hits[tier][i]``: each
+    block ``bt`` tokens, the last block of a fully cached request what is left of its input.
+    Returns the run's length in blocks."""
+    n = len(located)
+    run = located.index(None) if None in located else n
+    if run:
+        head = located[:run]
+        first = head.count(0)
+        hits[0][i] += bt * first
+        if first < run:  # some of the run sits below the first tier
+            for t in head:
+                if t:
+                    hits[t][i] += bt
+        if run == n:
+            hits[located[-1]][i] += req.input_length - bt * n  # type: ignore[index]
     return run

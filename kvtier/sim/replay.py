@@ -113,8 +113,12 @@ def replay(
     specs = tuple(tiers)
     n_tiers = len(specs)
     oracle = FutureOracle(trace) if any(s.policy.lower() == "belady" for s in specs) else None
+    # a tier of 0 blocks holds nothing (the store's index reads 0 as "not bounded by us"):
+    # it is left out, and an empty first tier caches nothing at all
+    live = [t for t, s in enumerate(specs) if s.capacity_blocks] if specs[0].capacity_blocks else []
     store = ModelStore(
-        [s.capacity_blocks for s in specs], lambda t, _cap: build_policy(specs[t], oracle)
+        [specs[t].capacity_blocks for t in live] or [0],
+        lambda t, _cap: build_policy(specs[live[t]], oracle),
     )
     bt = trace.block_tokens
     n_req = len(trace.requests)
@@ -128,11 +132,13 @@ def replay(
         def hint(run: int, out: int = out) -> Hashable | None:
             return output_class(out, run > 0) if hints else None
 
+        if not live:
+            continue
         read = store.serve(req.blocks[: req.input_length // bt], hint)
         if read:
             block_hits += len(read)
             for t in set(read):
-                hits[t, i] = bt * read.count(t)
+                hits[live[t], i] = bt * read.count(t)
         if progress is not None and i & 255 == 255:
             progress(i + 1)
     if progress is not None:
@@ -141,10 +147,18 @@ def replay(
         tiers=specs,
         hit_tokens=hits,
         input_tokens=np.array([r.input_length for r in trace.requests], dtype=np.int64),
-        promoted_blocks=store.promoted,
-        written_blocks=store.written,
-        evicted_blocks=store.evicted,
+        promoted_blocks=_spread(store.promoted, live, n_tiers),
+        written_blocks=_spread(store.written, live, n_tiers),
+        evicted_blocks=_spread(store.evicted, live, n_tiers),
         block_hits=block_hits,
         block_refs=trace.block_events,
         hints=hints,
     )
+
+
+def _spread(counts: list[int], live: list[int], n: int) -> list[int]:
+    """Counters of the live tiers at their places among all ``n`` tiers (0 elsewhere)."""
+    out = [0] * n
+    for t, c in zip(live, counts, strict=False):
+        out[t] = c
+    return out

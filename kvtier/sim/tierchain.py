@@ -1,4 +1,4 @@
-"""Exclusive tiers with demotion: the shared tiers of a simulated cluster (``kvtier.sim.cluster``).
+"""Exclusive tiers with demotion: the tiers of a simulated cluster (``kvtier.sim.cluster``).
 
 A block lives in one tier of a ``TierChain`` at a time. Serving a request's chain (``serve``)
 promotes the blocks found below the first tier (they move up), computes the missing ones, and
@@ -6,8 +6,8 @@ tells the first tier's policy about the whole chain; room is made first (``evict
 chain pinned while part of it is resident), and victims are demoted one tier down, the last tier
 dropping them. A demotion larger than a tier passes its excess on down (an empty tier passes
 all). ``locate`` reads where the chain's blocks are *before* serving, so the caller credits hits
-to the tier that held each block (``kvtier.sim.replay`` for one node, ``kvtier.sim.cluster`` for
-each node and the shared tiers).
+to the tier that held each block (``kvtier.sim.cluster``, for each node and the shared tiers).
+One-node replays run the store's own decisions instead (``kvtier.sim.storemodel``).
 """
 
 from __future__ import annotations
