@@ -15,7 +15,6 @@ import pytest
 from kvtier.cli.main import main
 from kvtier.sim import sizing
 from kvtier.sim.hierarchy import Hierarchy
-from kvtier.sim.replay import TierSpec, replay
 from kvtier.sim.trace import Request, Trace, write_trace
 from kvtier.sim.trace import Trace as _T
 from kvtier.sim.workload import generate
