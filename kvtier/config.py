@@ -7,7 +7,7 @@ Example (``kvtier.toml``)::
     dtype = "bf16"
     block_tokens = 256
     tenant = "default"
-    policy = "s3fifo"           # the default; or "lru"
+    policy = "auto"             # the default; or "s3fifo", "lru"
     workers = 2
     metrics_port = 0            # >0 serves Prometheus metrics on 127.0.0.1:<port>
 

@@ -150,8 +150,8 @@ def cfg(**store: object) -> dict[str, Any]:
 
 
 def test_config_policy_default_is_the_constructors() -> None:
-    """README: ``policy = "s3fifo"  # the default``, from a config file as from the constructor."""
-    assert StoreConfig.from_dict(cfg(), env={}).policy == DEFAULT_POLICY == "s3fifo"
+    """README: ``policy = "auto"  # the default``, from a config file as from the constructor."""
+    assert StoreConfig.from_dict(cfg(), env={}).policy == DEFAULT_POLICY == "auto"
     assert inspect.signature(TieredStore).parameters["policy"].default == DEFAULT_POLICY
 
 
