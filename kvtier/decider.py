@@ -144,8 +144,7 @@ class Decider:
                         self.counters.promotions += n_ok
                 if mv.delete_src:
                     self.evicting[mv.src] -= len(mv.keys)
-                    for k in mv.keys:
-                        idx.drop(k, mv.src)
+                    idx.drop_all(mv.keys, mv.src)
                 idx.unpin(mv.keys)
 
     def next_local(self, tier: int) -> int | None:
@@ -162,7 +161,8 @@ class Decider:
         for k in victims:  # its copy there is going away: a failed read of it is no loss
             idx.entries[k].leaving |= 1 << tier
         move_keys = [k for k in victims if lower is not None and not idx.entries[k].tiers & below]
-        drop_keys = [k for k in victims if k not in set(move_keys)]
+        moving = set(move_keys)
+        drop_keys = [k for k in victims if k not in moving]
         if move_keys and lower is not None:
             fit, room = idx.plan_room_up_to(lower, len(move_keys))
             drop_keys += move_keys[fit:]  # what the lower tier cannot take falls off

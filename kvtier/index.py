@@ -124,13 +124,31 @@ class BlockIndex:
         bit = 1 << tier
         if e is None or not e.tiers & bit:
             return
+        evicted = e.leaving & bit  # an eviction's victim: its policy forgot it when it chose it
         e.tiers &= ~bit
         e.leaving &= ~bit
         self.resident[tier] -= 1
         policy = self.policies[tier]
-        if policy is not None:
+        if policy is not None and not evicted:
             policy.remove(key)
         self._forget_if_empty(key, e)
+
+    def drop_all(self, keys: Sequence[BlockKey], tier: int) -> None:
+        """``drop`` of each of ``keys`` (a move out of ``tier`` completed), in one loop."""
+        entries, bit, policy = self.entries, 1 << tier, self.policies[tier]
+        gone = 0
+        for key in keys:
+            e = entries.get(key)
+            if e is None or not e.tiers & bit:
+                continue
+            if policy is not None and not e.leaving & bit:
+                policy.remove(key)
+            e.tiers &= ~bit
+            e.leaving &= ~bit
+            gone += 1
+            if not e.tiers and not e.pending and e.pins <= 0:
+                del entries[key]
+        self.resident[tier] -= gone
 
     def touch(self, keys: Sequence[BlockKey], tier: int) -> None:
         """Hits on ``keys`` in ``tier`` (a load)."""

@@ -305,3 +305,25 @@ def test_custom_toml_tier_with_its_costs_runs(
     assert main([*argv, "--config", str(cfg), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [t["name"] for t in out["tiers"]] == ["hbm", "cxl"]
+
+
+def test_cli_basket_sweeps_every_workload_and_size(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--sweep --basket``: each generator x 3 seeds, five sizes, one tier and host + NVMe."""
+    argv = ["simulate", "--sweep", "--basket", "--requests", "60", "--policy", "lru", "--json"]
+    assert main([*argv, "--jobs", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["rows"]) == 5 * 3 * 10
+    assert {len(r["caps"]) for r in out["rows"]} == {1, 2}
+    assert out["summary"][0]["policy"] == "lru"
+    assert all(0.0 <= r["hit"]["lru"] <= 1.0 for r in out["rows"])
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [([], "add --sweep"), (["--sweep", "--tier", "hbm=1GB"], "chooses its own")],
+)
+def test_cli_basket_flags_are_checked(
+    extra: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["simulate", "--basket", *extra]) == 2
+    assert needle in capsys.readouterr().err

@@ -106,8 +106,9 @@ class Auto(EvictionPolicy[K]):
         self._accessed = set()
 
     def remove(self, key: K) -> None:
-        self._lru.remove(key)
-        self._s3.remove(key)
+        if key in self._s3.resident():
+            self._lru.remove(key)
+            self._s3.remove(key)
 
     def evict(self, n: int, evictable: Callable[[K], bool]) -> list[K] | None:
         win, other = (self._lru, self._s3) if self._lru_wins() else (self._s3, self._lru)

@@ -1,6 +1,7 @@
 """The policy basket: every workload and size the default policy is judged on.
 
-``kvtier simulate --basket --sweep`` (``kvtier.cli.simulate``) replays, for each policy asked:
+``kvtier simulate --sweep --basket [--trace FILE]`` (``kvtier.cli.simulate``) and
+``scripts/policy_basket.py`` replay, for each policy asked:
 
 * **traces** -- a Mooncake-format trace if one is given (``--trace``), plus each synthetic
   generator of ``kvtier.sim.workload`` (chat, system-prompt, rag, agent, mixed) with seeds
@@ -18,6 +19,7 @@ processes; rows do not depend on ``jobs``.
 from __future__ import annotations
 
 import multiprocessing
+import statistics
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -160,3 +162,25 @@ def table(pts: Sequence[Point], ratios: Sequence[float]) -> list[dict[str, Any]]
         )
         row["hit"][p.policy] = r
     return list(rows.values())
+
+
+def summary(rows: Sequence[dict[str, Any]], policy: str) -> dict[str, Any]:
+    """How ``policy`` did over ``rows`` (``table``): points below the better of LRU and S3-FIFO
+    less 1% (the target), its ratios to that better one and to Belady (when replayed)."""
+    to_best, to_belady, below = [], [], []
+    for r in rows:
+        h = r["hit"]
+        best = max(h.get("lru", 0.0), h.get("s3fifo", 0.0))
+        if best and policy in h:
+            to_best.append(h[policy] / best)
+            if h[policy] < 0.99 * best:
+                below.append(f"{r['trace']} {r['caps']}")
+        if h.get("belady") and policy in h:
+            to_belady.append(h[policy] / h["belady"])
+    out: dict[str, Any] = {"policy": policy, "points": len(rows), "below_target": below}
+    if to_best:
+        out["min_ratio_to_best"] = min(to_best)
+        out["mean_ratio_to_best"] = statistics.mean(to_best)
+    if to_belady:
+        out["mean_ratio_to_belady"] = statistics.mean(to_belady)
+    return out
