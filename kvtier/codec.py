@@ -35,6 +35,9 @@ HEADER = struct.Struct("<4sHH8s32sQQ")
 HEADER_BYTES = 64
 assert HEADER.size <= HEADER_BYTES
 FLAG_ENCRYPTED = 1
+FLAG_MAC = 2  # header | payload | nonce(12) | tag(16): keyed AES-GMAC (``tiers.secure``)
+#: room kept after a framed payload, so an authenticated value is one buffer too
+TRAILER_BYTES = 32
 _FLAT_CHUNK = 1 << 20
 
 Array = np.ndarray[Any, np.dtype[Any]]
@@ -84,30 +87,41 @@ _FRAMES: weakref.WeakValueDictionary[int, Array] = weakref.WeakValueDictionary()
 
 
 def framed_empty(nbytes: int) -> Array:
-    """A page-touched uint8 payload of ``nbytes`` with ``HEADER_BYTES`` of room just before it.
+    """A page-touched uint8 payload of ``nbytes`` with ``HEADER_BYTES`` of room just before it
+    and ``TRAILER_BYTES`` just after.
 
-    A tier that stores header + payload contiguously (a remote value) can write the header into
-    that room and move one buffer instead of two (``header_room``). kvtier's staging buffers are
-    framed; the room belongs to whichever put or get is using the buffer, so one framed buffer
-    must not be in two transfers at once.
+    A tier that stores header + payload (+ an authentication trailer) contiguously (a remote
+    value) can write them into that room and move one buffer instead of two (``header_room``,
+    ``frame``). kvtier's staging buffers are framed; the room belongs to whichever put or get is
+    using the buffer, so one framed buffer must not be in two transfers at once.
     """
-    full = np.empty(HEADER_BYTES + nbytes, dtype=np.uint8)
+    full = np.empty(HEADER_BYTES + nbytes + TRAILER_BYTES, dtype=np.uint8)
     full.fill(0)
     _FRAMES[id(full)] = full
-    return full[HEADER_BYTES:]
+    return full[HEADER_BYTES : HEADER_BYTES + nbytes]
 
 
-def header_room(a: Array) -> Array | None:
-    """The ``HEADER_BYTES`` just before ``a`` if ``a`` is (a contiguous view of) a whole
-    ``framed_empty`` payload, else ``None``."""
+def frame(a: Array) -> Array | None:
+    """The whole ``framed_empty`` buffer (header room | payload | trailer room) if ``a`` is (a
+    contiguous view of) a whole framed payload, else ``None``."""
     full = a
     while isinstance(full.base, np.ndarray):
         full = full.base
     if _FRAMES.get(id(full)) is not full or not a.flags.c_contiguous:
         return None
-    if a.ctypes.data - full.ctypes.data != HEADER_BYTES or a.nbytes + HEADER_BYTES != full.nbytes:
+    if (
+        a.ctypes.data - full.ctypes.data != HEADER_BYTES
+        or a.nbytes + HEADER_BYTES + TRAILER_BYTES != full.nbytes
+    ):
         return None
-    return full[:HEADER_BYTES]
+    return full
+
+
+def header_room(a: Array) -> Array | None:
+    """The ``HEADER_BYTES`` just before ``a`` if ``a`` is (a contiguous view of) a whole
+    ``framed_empty`` payload, else ``None``."""
+    full = frame(a)
+    return None if full is None else full[:HEADER_BYTES]
 
 
 def checksum(buf: bytes | memoryview | Array) -> int:

@@ -3,6 +3,8 @@
 Example (``kvtier.toml``)::
 
     [store]
+    model_id = "meta-llama/Llama-3.1-8B"  # required: names the weights (blocks are keyed by it)
+    revision = "0e9e39f"        # the weights' version, when it can change
     model = "Llama-3.1-8B"      # a preset, or give layers/kv_heads/head_dim/kv_factor
     dtype = "bf16"
     block_tokens = 256
@@ -42,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.identity import Identity, check_share_groups
 from kvtier.layout import DEFAULT_BLOCK_TOKENS, KVLayout, canonical_dtype, preset
 from kvtier.policy import DEFAULT_POLICY, POLICIES, REMOVED
 
@@ -131,7 +134,15 @@ def check_keys(section: str, given: Mapping[str, Any], allowed: set[str]) -> Non
 
 
 _LAYOUT_KEYS = {"model", "dtype", "block_tokens", "layers", "kv_heads", "head_dim", "kv_factor"}
-_NAMESPACE_KEYS = {"tenant", "model_id", "weights_version", "share_group", "secret"}
+_NAMESPACE_KEYS = {"tenant", "model_id", "revision", "share_groups", "secret"}
+#: keys of earlier versions, with what replaced them
+_RENAMED = {
+    "weights_version": "it is now revision = '...'",
+    "share_group": (
+        "a store-wide share group merged every tenant of the store; map tenants to groups "
+        "instead: [store.share_groups] alice = 'team', bob = 'team'"
+    ),
+}
 #: the store's defaults, shared by ``TieredStore(...)`` and ``from_config``
 DEFAULT_WORKERS = 2
 #: demotion jobs queued before ``store`` waits for the workers (back-pressure)
@@ -145,10 +156,9 @@ class StoreConfig:
     """Validated store configuration. ``tiers`` are raw per-tier tables, validated by each kind."""
 
     layout: KVLayout
+    identity: Identity
     tenant: str = "default"
-    model_id: str = ""
-    weights_version: str = ""
-    share_group: str | None = None
+    share_groups: Mapping[str, str] = field(default_factory=dict)
     secret: bytes = field(default=b"", repr=False)
     policy: str = DEFAULT_POLICY
     workers: int = DEFAULT_WORKERS
@@ -174,6 +184,9 @@ class StoreConfig:
         s = _Section(dict(store))
         tiers = [dict(t) for t in tiers]
         _apply_env(s, tiers, os.environ if env is None else env)
+        for old, why in _RENAMED.items():
+            if old in s.values:
+                raise ConfigError(f"{s.what(old)} = {s.values[old]!r}: no longer a key; {why}")
         check_keys("store", s.values, _STORE_KEYS)
         if not tiers:
             tiers = [{"kind": "host", "capacity": "1GiB"}]
@@ -191,19 +204,32 @@ class StoreConfig:
             raise ConfigError(
                 f"{s.what('policy')}: unknown policy {policy!r}; choose {', '.join(POLICIES)}"
             )
-        group = s.text("share_group", "") if "share_group" in s.values else None
+        layout = _layout_from(s)
+        groups = check_share_groups(s.values.get("share_groups", {}), s.what("share_groups"))
+        engine = {
+            "tenant": s.text("tenant", "default"),
+            "secret": _secret(s),
+            "policy": policy,
+            "workers": s.integer("workers", DEFAULT_WORKERS, 1, 1024),
+            "metrics_port": s.integer("metrics_port", 0, 0, 65535),
+            "demote_queue": s.integer("demote_queue", DEFAULT_DEMOTE_QUEUE, 1),
+        }
+        if "model_id" not in s.values:
+            raise ConfigError(
+                "[store] model_id is required: name the weights the KV comes from (e.g. "
+                "model_id = 'meta-llama/Llama-3.1-8B', with revision = '<commit>'); blocks of "
+                "two checkpoints must never mix, and a model preset names only a shape"
+            )
+        try:
+            identity = Identity(s.text("model_id", ""), s.text("revision", "", empty=True))
+        except ConfigError as exc:
+            raise ConfigError(f"[store] {exc}") from None
         return StoreConfig(
-            layout=_layout_from(s),
-            tenant=s.text("tenant", "default"),
-            model_id=s.text("model_id", s.text("model", "", empty=True), empty=True),
-            weights_version=s.text("weights_version", "", empty=True),
-            share_group=group,
-            secret=_secret(s),
-            policy=policy,
-            workers=s.integer("workers", DEFAULT_WORKERS, 1, 1024),
-            metrics_port=s.integer("metrics_port", 0, 0, 65535),
-            demote_queue=s.integer("demote_queue", DEFAULT_DEMOTE_QUEUE, 1),
+            layout=layout,
+            identity=identity,
+            share_groups=groups,
             tiers=tuple(tiers),
+            **engine,  # type: ignore[arg-type]
         )
 
     @staticmethod

@@ -12,11 +12,12 @@ the moves to the engine. Counters of what was decided live here too.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Protocol
 
+from kvtier.errors import RequestError
 from kvtier.index import BlockIndex, PolicySource
 from kvtier.keys import BlockKey
 from kvtier.moves import Move
@@ -77,6 +78,20 @@ class Counters(TenantCounters):
     write_through_skipped: int = 0
     failed_moves: int = 0
     dropped_for_room: int = 0
+
+
+def checked_reuse_class(value: object) -> Hashable | None:
+    """``value`` if it can label a request for the policies (``None`` or hashable, as a dict
+    key must be); ``RequestError`` otherwise, before the store writes anything: a label the
+    policy cannot take would otherwise fail after the blocks are in the tier."""
+    try:
+        hash(value)
+    except Exception as exc:
+        raise RequestError(
+            f"reuse_class must be hashable (None, a str, an int, or a tuple of them), got "
+            f"{type(value).__name__} {value!r:.80} ({exc})"
+        ) from None
+    return value  # hashable: hash() accepted it
 
 
 @dataclass(slots=True)
@@ -184,7 +199,7 @@ class Decider:
             e = self.index.readable(key)
             if e is None:
                 break
-            reads.append(Read(key, e.best_tier(), True))
+            reads.append(Read(key, e.read_tier(), True))
         return reads
 
     def plan_write_through(self, keys: list[BlockKey], owner: str) -> list[Move]:
@@ -258,10 +273,22 @@ class Decider:
             moves.append(Move(src, 0, keys, [owner] * len(keys), delete_src=False))
         return moves
 
+    def persistent_tier(self) -> int | None:
+        """The first persistent local tier (where ``plan_persist`` copies to), if any."""
+        return next((i for i in self.local if self.tiers[i].persistent), None)
+
+    def volatile_only(self) -> int:
+        """Blocks held in a local tier but in no persistent one: what a crash would lose."""
+        local = sum(1 << i for i in self.local)
+        kept = sum(1 << i for i in self.local if self.tiers[i].persistent)
+        return sum(1 for e in self.index.entries.values() if e.tiers & local and not e.tiers & kept)
+
     def plan_persist(self) -> list[Move]:
         """Moves copying blocks held only in volatile local tiers down to the first persistent
-        local tier (most recently stored first, evicting its coldest blocks if needed)."""
-        target = next((i for i in self.local if self.tiers[i].persistent), None)
+        local tier (most recently stored first, evicting its coldest blocks if needed). A
+        pinned block is copied too (a copy leaves its source in place); one an eviction is
+        taking out of its tier is not (its bytes are on their way out)."""
+        target = self.persistent_tier()
         if target is None or not self.tiers[target].healthy:
             return []
         idx = self.index
@@ -269,7 +296,7 @@ class Decider:
         by_src: dict[int, list[BlockKey]] = {}
         for key, e in idx.entries.items():
             src = e.best_tier()
-            if 0 <= src < target and not (e.tiers | e.pending) & keep and not e.pins:
+            if 0 <= src < target and not (e.tiers | e.pending) & keep and not e.leaving:
                 by_src.setdefault(src, []).append(key)
         moves: list[Move] = []
         for src, keys in by_src.items():

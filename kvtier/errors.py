@@ -19,6 +19,11 @@ class LayoutError(KVTierError, ValueError):
     """A KV array or buffer does not match the store's layout (shape, dtype, size)."""
 
 
+class RequestError(KVTierError, TypeError):
+    """A per-call argument other than the tokens and the KV (e.g. ``reuse_class``) has the wrong
+    type; the message names it and says what to pass. Raised before anything is stored."""
+
+
 class TokenError(KVTierError, ValueError):
     """Token ids are not a 1-D sequence of non-negative integers."""
 

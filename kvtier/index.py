@@ -17,6 +17,7 @@ blocks.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
@@ -40,6 +41,14 @@ class Entry:
         t = self.tiers
         return (t & -t).bit_length() - 1 if t else -1
 
+    def read_tier(self) -> int:
+        """The tier a reader should use: the fastest copy no eviction is taking away; else,
+        while a move carries it to another tier (``pending``), the copy it is leaving (readable
+        until the move deletes it, then from its new tier); -1 if no copy will be left (its
+        drop is planned, or it is not written yet): a block a pin cannot keep."""
+        t = self.tiers & ~self.leaving or (self.tiers if self.pending else 0)
+        return (t & -t).bit_length() - 1 if t else -1
+
 
 class BlockIndex:
     """Entries by key plus one eviction policy per managed tier. Not thread-safe."""
@@ -59,8 +68,11 @@ class BlockIndex:
 
     # -- queries ---------------------------------------------------------------------------
     def readable(self, key: BlockKey) -> Entry | None:
+        """The entry of ``key`` if a reader can get its bytes (``Entry.read_tier``), else None.
+        A copy whose drop is already planned does not count: a pin cannot stop a move the
+        workers already carry out, so a pin or a lookup counting it would promise a miss."""
         e = self.entries.get(key)
-        return e if e is not None and e.tiers else None
+        return e if e is not None and e.read_tier() >= 0 else None
 
     def free(self, tier: int) -> int:
         cap = self.capacities[tier]
@@ -84,7 +96,11 @@ class BlockIndex:
         reuse_class: Hashable | None = None,
     ) -> None:
         """Commit (``ok``) or roll back the writes of ``keys`` into ``tier``; prefix order.
-        ``reuse_class`` labels the committed keys for the tier's policy (a store's new blocks)."""
+        ``reuse_class`` labels the committed keys for the tier's policy (a store's new blocks).
+
+        Exception-safe: if the policy raises while taking the committed keys, every write of
+        the call is rolled back (none stays in the index, so none is left that the policy cannot
+        evict) and the exception propagates; the caller must delete them from the tier."""
         bit = 1 << tier
         policy = self.policies[tier]
         committed = []
@@ -100,7 +116,26 @@ class BlockIndex:
                 self.resident[tier] -= 1
                 self._forget_if_empty(key, e)
         if policy is not None and committed:
-            policy.insert(committed, reuse_class)
+            try:
+                policy.insert(committed, reuse_class)
+            except BaseException:
+                self._uncommit(committed, tier)
+                raise
+
+    def _uncommit(self, keys: Sequence[BlockKey], tier: int) -> None:
+        """Take back the commit of ``keys`` into ``tier`` (its policy raised while taking them):
+        a block the policy may not track could never be evicted, so none of them is stored. The
+        caller deletes them from the tier."""
+        bit = 1 << tier
+        policy = self.policies[tier]
+        for key in keys:
+            e = self.entries[key]
+            e.tiers &= ~bit
+            self.resident[tier] -= 1
+            if policy is not None:
+                with contextlib.suppress(Exception):  # it may hold some of them, or none
+                    policy.remove(key)
+            self._forget_if_empty(key, e)
 
     def add_present(self, keys: Sequence[BlockKey], tier: int) -> None:
         """Record blocks found already present in ``tier`` (warm restart, a shared hit)."""

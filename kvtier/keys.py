@@ -5,9 +5,10 @@
 block's key therefore stands for its tokens *and everything before them*, so equal keys mean
 equal prefixes.
 
-The namespace root is a BLAKE2b-256 digest of (tenant or share group, model id, weights version,
-layout fingerprint -- which covers dtype and block size), keyed with the deployment's secret when
-one is configured. Two tenants get disjoint key spaces unless they are configured into the same
+The namespace root (``kvtier.identity.Namespace``) is a BLAKE2b-256 digest of the block's whole
+identity -- model and revision, parallel position, engine layout, model configuration, layout
+fingerprint, tenant or share group, adapter and salt -- keyed with the deployment's secret when
+one is configured. Two tenants get disjoint key spaces unless they are mapped into the same
 share group. Both hashes are cryptographic: finding a collision, or a token sequence that maps
 onto another tenant's key, is infeasible. With a secret, no key can be computed outside the
 deployment, because every chain starts at the secret-keyed root; keying each block's hash as
@@ -24,50 +25,16 @@ import array
 import hashlib
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any, NewType
 
 import numpy as np
 
 from kvtier.errors import TokenError
-from kvtier.layout import KVLayout
+from kvtier.identity import KEY_BYTES, Namespace
 
 BlockKey = NewType("BlockKey", bytes)
-KEY_BYTES = 32
 _TOKEN_DTYPE = np.dtype("<u4")  # one canonical byte form, whatever the caller passed
 _FAST_U32 = array.array("I").itemsize == 4 and sys.byteorder == "little"
-
-
-@dataclass(frozen=True, slots=True)
-class Namespace:
-    """Who a block belongs to. ``root`` seeds every key chain of this namespace."""
-
-    tenant: str
-    model_id: str
-    layout: KVLayout
-    weights_version: str = ""
-    share_group: str | None = None  # tenants in one group share blocks; None = private
-    secret: bytes = field(default=b"", repr=False)
-    root: bytes = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if not self.tenant:
-            raise TokenError("Namespace.tenant must be a non-empty string")
-        owner = f"group:{self.share_group}" if self.share_group else f"tenant:{self.tenant}"
-        desc = (
-            "\x1f".join(("kvtier-ns-v1", owner, self.model_id, self.weights_version)).encode()
-            + self.layout.fingerprint
-        )
-        secret = self.secret  # BLAKE2b keys hold 64 bytes: a longer secret is hashed first
-        if len(secret) > 64:
-            secret = hashlib.blake2b(secret).digest()
-        root = hashlib.blake2b(desc, digest_size=KEY_BYTES, key=secret).digest()
-        object.__setattr__(self, "root", root)
-
-    @property
-    def owner(self) -> str:
-        """The tenant (or share group) that quotas and encryption keys are charged to."""
-        return self.share_group or self.tenant
 
 
 def as_tokens(tokens: Any) -> np.ndarray[Any, np.dtype[np.uint32]]:
@@ -168,7 +135,11 @@ class TokenIds:
                 f"tokens must be 1-D (one sequence), got a nested element near {start}"
             )
         if arr.dtype.kind not in "iu":
-            at = next((i for i, v in enumerate(part) if not isinstance(v, int | np.integer)), 0)
+            at = next((i for i, v in enumerate(part) if not isinstance(v, int | np.integer)), -1)
+            if at < 0:  # all integers, some beyond 64 bits (numpy keeps those as objects)
+                at, v = next((i, v) for i, v in enumerate(part) if not 0 <= v < 2**32)
+                rule = "non-negative" if v < 0 else "< 2**32"
+                raise TokenError(f"token ids must be {rule}, found {v} at position {start + at}")
             raise TokenError(
                 f"tokens must be integers, got {arr.dtype} ({part[at]!r} at position {start + at})"
             )
@@ -213,3 +184,15 @@ def block_keys(ns: Namespace, tokens: Any) -> list[BlockKey]:
 def key_hex(key: bytes | Sequence[int]) -> str:
     """Short printable form of a key, for logs."""
     return bytes(key)[:8].hex()
+
+
+__all__ = [
+    "KEY_BYTES",
+    "BlockKey",
+    "Namespace",
+    "TokenIds",
+    "as_tokens",
+    "block_keys",
+    "iter_keys",
+    "key_hex",
+]

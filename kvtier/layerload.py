@@ -93,7 +93,7 @@ class LayerLoad:
         return self._verified
 
 
-def start_layer_load(store: ReadPath, tokens: Any, out: Any, tenant: str | None) -> LayerLoad:
+def start_layer_load(store: ReadPath, tokens: Any, out: Any, ns: Namespace) -> LayerLoad:
     """``TieredStore.load_layers`` (see the module docs)."""
     store._check_open()
     layout = store.layout
@@ -106,7 +106,6 @@ def start_layer_load(store: ReadPath, tokens: Any, out: Any, tenant: str | None)
             f"out holds {arr.shape[2]} tokens but the {len(toks)} tokens given cover "
             f"{limit * bt} tokens of full blocks"
         )
-    ns = store.namespace(tenant)
     store._poll()
     with store._lock:
         reads = store._decider.readable_prefix(iter_keys(ns, toks), limit)
@@ -115,7 +114,8 @@ def start_layer_load(store: ReadPath, tokens: Any, out: Any, tenant: str | None)
         if streamable:
             store._index.pin([r.key for r in reads])
     if not streamable:
-        return LayerLoad.complete(layout.layers, store.load(tokens, out, tenant))
+        got = store.load(tokens, out, ns.tenant, adapter=ns.scope.adapter, salt=ns.scope.salt)
+        return LayerLoad.complete(layout.layers, got)
     views = store._views(arr, len(reads))
     ll = LayerLoad(layout.layers, len(reads) * bt)
     ll.streamed = True

@@ -169,6 +169,9 @@ class MeteredTier(Tier):
     def delete(self, keys: Sequence[BlockKey], tenant: str = "") -> None:
         self.inner.delete(keys, tenant)
 
+    def sync(self) -> None:
+        self.inner.sync()
+
     def close(self) -> None:
         self.inner.close()
 

@@ -26,41 +26,56 @@ class ReadPath(StoreCore):
     """The read half of ``TieredStore`` (see the module docstring)."""
 
     # -- load ------------------------------------------------------------------------------
-    def load(self, tokens: Any, out: Any, tenant: str | None = None) -> int:
-        """Fill ``out[:, :, :n]`` with the cached prefix of ``tokens``; return ``n`` (tokens).
+    def load(
+        self,
+        tokens: Any,
+        out: Any,
+        tenant: str | None = None,
+        *,
+        adapter: str | None = None,
+        salt: str | bytes | None = None,
+        start: int = 0,
+    ) -> int:
+        """Fill ``out`` with the cached blocks of ``tokens`` from ``start``; return the end
+        ``n`` of what was loaded (tokens, ``start`` when nothing): ``out[:, :, : n - start]``
+        holds tokens ``[start, n)``.
 
         ``out`` is a writable host array ``[layers, kv_factor, m, kv_heads, head_dim]`` in the
         layout's storage dtype (or a CPU torch tensor) with room for every full block of
-        ``tokens`` (``LayoutError`` otherwise). Tokens beyond ``n`` in ``out`` are unspecified.
-        Only verified blocks count.
+        ``tokens`` after ``start`` (``LayoutError`` otherwise); pass ``tokens[:end]`` to load
+        less. ``start`` (a multiple of ``block_tokens``) skips blocks the engine already holds;
+        they need not be cached here. Tokens beyond ``n`` in ``out`` are unspecified. Only
+        verified blocks count.
         """
         self._check_open()
         toks = TokenIds(tokens)
         arr = host_array(out, self.layout, "out", writable=True)
-        ns = self.namespace(tenant)
+        ns = self.namespace(tenant, adapter, salt)
+        first = self._first_block(start, toks)
         bt = self.layout.block_tokens
-        if arr.shape[2] < len(toks) // bt * bt:
+        limit = len(toks) // bt
+        if arr.shape[2] < (limit - first) * bt:
             raise LayoutError(
                 f"out holds {arr.shape[2]} tokens but the {len(toks)} tokens given cover "
-                f"{len(toks) // bt * bt} tokens of full blocks; pass a larger out or "
-                f"tokens[:{arr.shape[2]}]"
+                f"{(limit - first) * bt} tokens of full blocks from {start}; pass a larger out "
+                f"or tokens[:{start + arr.shape[2]}]"
             )
-        limit = len(toks) // bt
-        done = 0
+        done = first
         for _ in range(3):  # a block moved by a finishing demotion is re-read from its new tier
-            got, retry = self._load_pass(ns, toks, arr, done, limit)
+            got, retry = self._load_pass(ns, toks, arr, done, limit, first)
             done += got
             if not retry or done >= limit:
                 break
             self._engine.wait_idle(timeout=5.0)  # rare: let the move that raced us finish
         with self._lock:
-            self._decider.count_load(ns.tenant, done, limit)
+            self._decider.count_load(ns.tenant, done - first, limit - first)
         return done * self.layout.block_tokens
 
     def _load_pass(
-        self, ns: Namespace, toks: TokenIds, arr: Array, first: int, limit: int
+        self, ns: Namespace, toks: TokenIds, arr: Array, first: int, limit: int, base: int
     ) -> tuple[int, bool]:
-        """Load blocks ``first..`` into ``arr``; return (blocks loaded, worth retrying)."""
+        """Load blocks ``first..`` into ``arr`` (whose token 0 is block ``base``'s); return
+        (blocks loaded, worth retrying)."""
         self._poll()
         with self._lock:
             reads = self._decider.readable_prefix(
@@ -68,7 +83,7 @@ class ReadPath(StoreCore):
             )
             self._index.pin([r.key for r in reads])
         reads += self._shared_extension(ns, toks, first + len(reads), limit)
-        views = self._views(arr, len(reads), first)
+        views = self._views(arr, len(reads), first - base)
         try:
             ok = self._read_blocks(reads, views, ns.owner)
         except Exception:  # a tier broke its contract: a miss for the engine, not a crash
@@ -146,34 +161,56 @@ class ReadPath(StoreCore):
         except Exception:
             log.exception("promotion into %s failed", first.name)
         finally:
+            if not all(ok):  # what a raising put wrote is not indexed: free its slots
+                first.delete([k for (k, _), g in zip(todo, ok, strict=True) if not g], owner)
             with self._lock:
                 idx.end_write([k for k, _ in todo], 0, ok)
                 self._decider.counters.promotions += sum(ok)
 
     # -- layer-wise load (the logic lives in kvtier/layerload.py) ------------------------------
-    def load_layers(self, tokens: Any, out: Any, tenant: str | None = None) -> LayerLoad:
+    def load_layers(
+        self,
+        tokens: Any,
+        out: Any,
+        tenant: str | None = None,
+        *,
+        adapter: str | None = None,
+        salt: str | bytes | None = None,
+    ) -> LayerLoad:
         """Start loading the cached prefix of ``tokens`` into ``out`` one layer at a time.
 
-        Same arguments as ``load``. Returns a ``LayerLoad`` at once: ``wait(i)`` blocks until
-        layer ``i`` of the ``tokens`` streamed tokens is in ``out`` (UNVERIFIED bytes);
-        ``verify()`` waits for the end, checks every block's checksum, unpins and returns the
-        leading tokens verified -- the caller must call it and discard anything computed from
-        later tokens. Falls back to a whole-block ``load`` (already verified) when a block's
-        tier cannot read single layers.
+        Same arguments as ``load`` (from the first block). Returns a ``LayerLoad`` at once:
+        ``wait(i)`` blocks until layer ``i`` of the ``tokens`` streamed tokens is in ``out``
+        (UNVERIFIED bytes); ``verify()`` waits for the end, checks every block's checksum,
+        unpins and returns the leading tokens verified -- the caller must call it and discard
+        anything computed from later tokens. Falls back to a whole-block ``load`` (already
+        verified) when a block's tier cannot read single layers.
         """
-        return start_layer_load(self, tokens, out, tenant)
+        return start_layer_load(self, tokens, out, self.namespace(tenant, adapter, salt))
 
-    def prefetch(self, tokens: Any, tenant: str | None = None) -> int:
-        """Start bringing the cached prefix of ``tokens`` up into the first tier; return how
-        many tokens' blocks were scheduled. Asynchronous: ``flush()`` waits for it."""
+    def prefetch(
+        self,
+        tokens: Any,
+        tenant: str | None = None,
+        *,
+        adapter: str | None = None,
+        salt: str | bytes | None = None,
+        start: int = 0,
+    ) -> int:
+        """Start bringing the cached blocks of ``tokens`` from ``start`` up into the first
+        tier; return how many tokens' blocks were scheduled. Asynchronous: ``flush()`` waits
+        for it."""
         self._check_open()
         toks = TokenIds(tokens)
-        ns = self.namespace(tenant)
+        ns = self.namespace(tenant, adapter, salt)
+        first = self._first_block(start, toks)
         limit = len(toks) // self.layout.block_tokens
         self._poll()
         with self._lock:
-            reads = self._decider.readable_prefix(iter_keys(ns, toks), limit)
-        shared = self._shared_extension(ns, toks, len(reads), limit)
+            reads = self._decider.readable_prefix(
+                islice(iter_keys(ns, toks), first, None), limit - first
+            )
+        shared = self._shared_extension(ns, toks, first + len(reads), limit)
         with self._lock:
             for r in shared:
                 self._index.add_present([r.key], r.tier)

@@ -33,18 +33,21 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import StoreConfig
-from kvtier.errors import LayoutError
+from kvtier.decider import checked_reuse_class
+from kvtier.errors import ConfigError, LayoutError
 from kvtier.keys import BlockKey, Namespace, TokenIds, iter_keys
 from kvtier.kvarray import host_array
+from kvtier.lease import Lease
 from kvtier.readpath import ReadPath
+from kvtier.store_core import log
 from kvtier.tiers.base import Array
 
 
 class TieredStore(ReadPath):
     """A KV-cache block store over an ordered list of tiers. Thread-safe; a context manager.
 
-    Construct with ``TieredStore(layout, tiers, tenant=..., model_id=..., policy=...,
-    workers=..., secret=..., share_group=..., demote_queue=..., metrics_port=...,
+    Construct with ``TieredStore(layout, tiers, model_id=... or identity=..., tenant=...,
+    policy=..., workers=..., secret=..., share_groups=..., demote_queue=..., metrics_port=...,
     persist_on_close=...)`` (see ``StoreCore.__init__``) or ``TieredStore.from_config``.
     """
 
@@ -58,18 +61,17 @@ class TieredStore(ReadPath):
         from kvtier.tiers.registry import make_tiers
 
         cfg = StoreConfig.load(config, env)
-        tiers = make_tiers(cfg.layout, cfg.tiers)
+        tiers = make_tiers(cfg.layout, cfg.tiers, secret=cfg.secret)
         try:
             return cls(
                 cfg.layout,
                 tiers,
+                identity=cfg.identity,
                 tenant=cfg.tenant,
-                model_id=cfg.model_id,
-                weights_version=cfg.weights_version,
                 policy=cfg.policy,
                 workers=cfg.workers,
                 secret=cfg.secret,
-                share_group=cfg.share_group,
+                share_groups=cfg.share_groups,
                 demote_queue=cfg.demote_queue,
                 metrics_port=cfg.metrics_port or None,
             )
@@ -78,19 +80,30 @@ class TieredStore(ReadPath):
                 t.close()
             raise
 
-    def lookup(self, tokens: Any, tenant: str | None = None) -> int:
-        """How many leading tokens are cached (a multiple of ``block_tokens``). No side effects
-        on the cache (only counters)."""
+    def lookup(
+        self,
+        tokens: Any,
+        tenant: str | None = None,
+        *,
+        adapter: str | None = None,
+        salt: str | bytes | None = None,
+        start: int = 0,
+    ) -> int:
+        """The end of the cached run of blocks from ``start`` (tokens; a multiple of
+        ``block_tokens``, ``start`` when nothing is cached). No side effects on the cache (only
+        counters). ``tenant``/``adapter``/``salt`` select the request's namespace
+        (``kvtier.identity``); ``start`` skips blocks the engine already holds (they need not
+        be cached here)."""
         self._check_open()
         toks = TokenIds(tokens)
-        ns = self.namespace(tenant)
+        ns = self.namespace(tenant, adapter, salt)
+        first = self._first_block(start, toks)
         limit = len(toks) // self.layout.block_tokens
-        entries = self._index.entries
-        n = 0
+        readable = self._index.readable  # what a load can read: not a block on its way out
+        n = first
         with self._lock:
-            for key in islice(iter_keys(ns, toks), limit):
-                e = entries.get(key)
-                if e is None or not e.tiers:
+            for key in islice(iter_keys(ns, toks), first, limit):
+                if readable(key) is None:
                     break
                 n += 1
         n += len(self._shared_extension(ns, toks, n, limit))
@@ -98,19 +111,30 @@ class TieredStore(ReadPath):
         with self._lock:
             for cnt in self._decider.counted(ns.tenant):
                 cnt.lookups += 1
-                cnt.lookup_tokens += limit * bt
-                cnt.lookup_hit_tokens += n * bt
+                cnt.lookup_tokens += (limit - first) * bt
+                cnt.lookup_hit_tokens += (n - first) * bt
         return n * bt
 
-    def locate(self, tokens: Any, tenant: str | None = None) -> list[str]:
-        """Name of the fastest tier holding each leading cached block."""
+    def locate(
+        self,
+        tokens: Any,
+        tenant: str | None = None,
+        *,
+        adapter: str | None = None,
+        salt: str | bytes | None = None,
+        start: int = 0,
+    ) -> list[str]:
+        """Name of the fastest tier holding each cached block from ``start`` on."""
         self._check_open()
         toks = TokenIds(tokens)
-        ns = self.namespace(tenant)
+        ns = self.namespace(tenant, adapter, salt)
+        first = self._first_block(start, toks)
         limit = len(toks) // self.layout.block_tokens
         with self._lock:
-            reads = self._decider.readable_prefix(iter_keys(ns, toks), limit)
-        reads += self._shared_extension(ns, toks, len(reads), limit)
+            reads = self._decider.readable_prefix(
+                islice(iter_keys(ns, toks), first, None), limit - first
+            )
+        reads += self._shared_extension(ns, toks, first + len(reads), limit)
         return [self.tiers[r.tier].name for r in reads]
 
     # -- store -----------------------------------------------------------------------------
@@ -120,14 +144,23 @@ class TieredStore(ReadPath):
         kv: Any,
         tenant: str | None = None,
         *,
+        adapter: str | None = None,
+        salt: str | bytes | None = None,
+        start: int = 0,
         reuse_class: Hashable | None = None,
     ) -> int:
         """Store every full block of ``kv`` not already cached; return the tokens written.
 
         ``kv`` is ``[layers, kv_factor, n, kv_heads, head_dim]`` (numpy in the layout's storage
-        dtype, or a torch tensor), ``n <= len(tokens)``; blocks cover ``tokens[:n]``. Raises
-        ``TokenError``/``LayoutError`` before storing anything if the input is malformed. When
-        the first tier is pinned full, the leading blocks that fit are stored.
+        dtype, or a torch tensor) and covers ``tokens[start : start + n]``; ``start`` (a
+        multiple of ``block_tokens``) lets an engine store only what follows a prefix it
+        already stored, without gathering it again. Raises ``TokenError``/``LayoutError`` (and
+        ``ConfigError`` for a bad tenant/adapter/salt, ``RequestError`` for an unhashable
+        ``reuse_class``) before storing anything if the input is malformed; any exception
+        leaves nothing of the call stored that the store cannot evict (see
+        ``BlockIndex.end_write``). A first tier that raises stores nothing of its batch
+        (logged), as one that reports failure. When the first tier is pinned full, the leading
+        blocks that fit are stored.
 
         ``reuse_class`` is a hint for the first tier's policy (``kvtier.policy.hints``): any
         hashable that tells kinds of requests apart, e.g. ``output_class(generated_tokens,
@@ -135,16 +168,20 @@ class TieredStore(ReadPath):
         never changes what is kept; ``None``: unlabelled.
         """
         self._check_open()
+        reuse_class = checked_reuse_class(reuse_class)
         toks = TokenIds(tokens)
         arr = host_array(kv, self.layout, "kv")
-        if arr.shape[2] > len(toks):
+        ns = self.namespace(tenant, adapter, salt)
+        first = self._first_block(start, toks)
+        if start + arr.shape[2] > len(toks):
             raise LayoutError(
-                f"kv covers {arr.shape[2]} tokens but only {len(toks)} token ids were given"
+                f"kv covers {arr.shape[2]} tokens from {start} but only {len(toks)} token ids "
+                "were given"
             )
-        ns = self.namespace(tenant)
-        n_blocks = arr.shape[2] // self.layout.block_tokens
-        keys = list(islice(iter_keys(ns, toks), n_blocks))  # checks the ids it keys
-        toks.validate(n_blocks * self.layout.block_tokens)  # and the rest, before any write
+        bt = self.layout.block_tokens
+        n_blocks = arr.shape[2] // bt
+        keys = list(islice(iter_keys(ns, toks), first, first + n_blocks))  # checks their ids
+        toks.validate((first + n_blocks) * bt)  # and the rest, before any write
         views = self._views(arr, n_blocks)
         self._poll()
         with self._lock:
@@ -202,12 +239,23 @@ class TieredStore(ReadPath):
             ok = self._engine.run_parallel(
                 lambda part: first.put([k for k, _ in part], [v for _, v in part], owner), items
             )
-        except BaseException:
+        except BaseException as exc:
+            # a tier that raises broke its contract: nothing of the batch is stored, and what
+            # it wrote before raising is deleted, or those slots would be taken for good
+            # (pending here, so no one else writes these keys into this tier)
+            first.delete(new_keys, owner)
             with self._lock:
                 idx.end_write(new_keys, 0, [False] * len(new_keys))
-            raise
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt & co
+            log.exception("store: %s raised on put; nothing stored", first.name)
+            return 0
         with self._lock:
-            idx.end_write(new_keys, 0, ok, reuse_class)
+            try:
+                idx.end_write(new_keys, 0, ok, reuse_class)
+            except BaseException:  # rolled back in the index: the tier forgets them too
+                first.delete([k for k, g in zip(new_keys, ok, strict=True) if g], owner)
+                raise
             written = sum(ok)
             tokens = written * self.layout.block_tokens
             for cnt in self._decider.counted(ns.tenant):
@@ -219,30 +267,90 @@ class TieredStore(ReadPath):
         return written
 
     # -- prefetch / pin --------------------------------------------------------------------
-    @contextlib.contextmanager
-    def pin(self, tokens: Any, tenant: str | None = None) -> Iterator[int]:
-        """Pin the cached prefix of ``tokens`` (no eviction while held); yields its length."""
+    def lease(
+        self,
+        tokens: Any,
+        tenant: str | None = None,
+        *,
+        adapter: str | None = None,
+        salt: str | bytes | None = None,
+        start: int = 0,
+    ) -> Lease:
+        """Pin the readable cached run of blocks from ``start`` in local tiers (no eviction)
+        until ``Lease.release()``; ``Lease.end`` is where that run ends (tokens). What an engine
+        holds between a lookup and the load that follows; blocks only in a shared tier cannot
+        be held (the pool evicts on its own) and are not counted. Counts only blocks a ``load``
+        can read: not one whose eviction is already under way with no copy left behind
+        (``BlockIndex.readable``), which a pin could not keep."""
         self._check_open()
         toks = TokenIds(tokens)
-        ns = self.namespace(tenant)
+        ns = self.namespace(tenant, adapter, salt)
+        first = self._first_block(start, toks)
+        limit = len(toks) // self.layout.block_tokens
         with self._lock:
-            reads = self._decider.readable_prefix(iter_keys(ns, toks), len(toks))
+            reads = self._decider.readable_prefix(
+                islice(iter_keys(ns, toks), first, None), limit - first
+            )
             keys = [r.key for r in reads]
             self._index.pin(keys)
-        try:
-            yield len(keys) * self.layout.block_tokens
-        finally:
-            with self._lock:
-                self._index.unpin(keys)
+        bt = self.layout.block_tokens
+        return Lease(start, (first + len(keys)) * bt, lambda: self._unpin(keys))
 
-    def flush(self, timeout: float | None = None) -> None:
-        """Wait until pending demotions, promotions and write-throughs have completed."""
+    def _unpin(self, keys: list[BlockKey]) -> None:
+        with self._lock:
+            self._index.unpin(keys)
+
+    @contextlib.contextmanager
+    def pin(
+        self,
+        tokens: Any,
+        tenant: str | None = None,
+        *,
+        adapter: str | None = None,
+        salt: str | bytes | None = None,
+    ) -> Iterator[int]:
+        """Pin the cached prefix of ``tokens`` (no eviction while held); yields its length.
+        ``lease`` from ``start=0`` as a context manager."""
+        with self.lease(tokens, tenant, adapter=adapter, salt=salt) as held:
+            yield held.end
+
+    def flush(self, timeout: float | None = None, *, durable: bool = False) -> int:
+        """Wait until pending demotions, promotions and write-throughs have completed.
+
+        ``durable``: the store's durability point. Every block held when the call starts is
+        copied from the volatile tiers (host, device) down to the first persistent local tier
+        (NVMe), as ``close`` does, and that tier's index is synced; on return those blocks
+        survive a crash of the process (kill -9) and a power loss, and a new store over the
+        same directories finds them (README: what a crash can lose). A persistent tier too
+        small for everything keeps the most recently stored blocks, evicting its coldest.
+        Returns how many blocks the store holds that are still on no persistent tier (0: all
+        are; always 0 without ``durable``). Blocks stored by other threads during the call
+        may or may not be covered. ``ConfigError`` if ``durable`` and no local tier is
+        persistent. ``timeout`` bounds each wait for the workers (seconds).
+        """
         self._engine.wait_idle(timeout)
         self._poll()
+        if not durable:
+            return 0
+        target = self._decider.persistent_tier()
+        if target is None:
+            raise ConfigError(
+                "flush(durable=True) needs a persistent tier (e.g. nvme) among the local tiers"
+            )
+        with self._lock:
+            moves = self._decider.plan_persist()
+        self._submit("demote", moves)
+        self._engine.wait_idle(timeout)
+        self._poll()
+        self.tiers[target].sync()
+        with self._lock:
+            return self._decider.volatile_only()
 
     def stats(self) -> dict[str, Any]:
-        """Counters of the store, per tenant and per tier (see ``MeteredTier.snapshot``), and
-        what each tier's eviction policy has learned (``EvictionPolicy.describe``)."""
+        """Counters of the store, per tenant and per tier (see ``MeteredTier.snapshot``; a
+        shared tier adds ``auth``, how its blocks are authenticated, and ``rejected_blocks``,
+        values that failed verification), what each tier's eviction policy has learned
+        (``EvictionPolicy.describe``), and the store's ``identity``."""
         self._poll()
         with self._lock:
             store = asdict(self._decider.counters)
@@ -259,11 +367,18 @@ class TieredStore(ReadPath):
             c["token_hit_ratio"] = c["hit_tokens"] / loaded if loaded else 0.0
             asked = c["lookup_tokens"]
             c["lookup_hit_ratio"] = c["lookup_hit_tokens"] / asked if asked else 0.0
+        tiers = {t.name: t.snapshot() for t in self.tiers}
+        for t in self.tiers:
+            sealer = getattr(t.inner, "sealer", None)
+            if sealer is not None:  # a shared tier: how its blocks are authenticated
+                tiers[t.name]["auth"] = sealer.mode
+                tiers[t.name]["rejected_blocks"] = sealer.rejected
         return {
             "store": store,
             "tenants": tenants,
-            "tiers": {t.name: t.snapshot() for t in self.tiers},
+            "tiers": tiers,
             "policies": policies,
+            "identity": self.identity.describe(),
         }
 
     # -- lifecycle -------------------------------------------------------------------------

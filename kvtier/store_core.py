@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import islice
 
 from kvtier.config import DEFAULT_DEMOTE_QUEUE, DEFAULT_WORKERS
 from kvtier.decider import Decider, Read
 from kvtier.errors import ConfigError, LayoutError
+from kvtier.identity import Identity, Scope, check_share_groups, check_tenant
 from kvtier.keys import BlockKey, Namespace, TokenIds, iter_keys
 from kvtier.layout import KVLayout
 from kvtier.metrics import MeteredTier, enable_prometheus
@@ -26,6 +27,20 @@ from kvtier.tiers.base import Array, Tier
 from kvtier.transfer import Job, TransferEngine
 
 log = logging.getLogger(__name__)
+_NAMESPACE_CACHE = 4096  # namespaces kept: a bound, so per-request salts cannot grow it
+
+
+def _check_count(what: str, value: object, most: int | None = None) -> None:
+    """Raise ``ConfigError`` unless ``value`` is a whole number from 1 to ``most`` (the bounds
+    ``StoreConfig`` enforces on the same keys)."""
+    span = f"1..{most}" if most is not None else ">= 1"
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < 1
+        or (most is not None and value > most)
+    ):
+        raise ConfigError(f"TieredStore {what} must be a whole number {span}, got {value!r}")
 
 
 class StoreCore:
@@ -36,17 +51,38 @@ class StoreCore:
         layout: KVLayout,
         tiers: Sequence[Tier],
         *,
-        tenant: str = "default",
+        identity: Identity | None = None,
         model_id: str = "",
-        weights_version: str = "",
+        revision: str = "",
+        tenant: str = "default",
         policy: str = DEFAULT_POLICY,
         workers: int = DEFAULT_WORKERS,
         secret: bytes = b"",
-        share_group: str | None = None,
+        share_groups: Mapping[str, str] | None = None,
         demote_queue: int = DEFAULT_DEMOTE_QUEUE,
         metrics_port: int | None = None,
         persist_on_close: bool = True,
     ) -> None:
+        """``identity`` says whose KV the blocks are (``kvtier.identity``); ``model_id`` and
+        ``revision`` are the short form for a single-rank engine
+        (``Identity(model_id, revision)``). One of them is required.
+        ``tenant`` is the default tenant of calls that name none; ``share_groups`` maps tenants
+        to groups whose members share blocks (``{"alice": "team", "bob": "team"}``); every
+        other tenant is private. ``secret`` keys the namespace roots (no key can be computed
+        outside the deployment) and is the default MAC key of shared tiers built from config.
+        """
+        if identity is None:
+            if not model_id:
+                raise ConfigError(
+                    "TieredStore needs the identity of the weights its KV comes from: pass "
+                    "model_id='<name of the checkpoint>' (and revision=) or "
+                    "identity=kvtier.identity.Identity(...); [store] model_id in a config file"
+                )
+            identity = Identity(model_id, revision=revision)
+        elif model_id or revision:
+            raise ConfigError("give either identity= or model_id=/revision=, not both")
+        if not isinstance(identity, Identity):
+            raise ConfigError(f"identity: expected a kvtier Identity, got {identity!r}")
         if not tiers:
             raise ConfigError("TieredStore needs at least one tier (e.g. a host tier)")
         for t in tiers:
@@ -56,12 +92,21 @@ class StoreCore:
                 )
         if tiers[0].shared:
             raise ConfigError("the first tier must be local (host or device), not a shared tier")
+        if len({id(t) for t in tiers}) < len(tiers):
+            twice = next(t for i, t in enumerate(tiers) if any(t is u for u in tiers[:i]))
+            raise ConfigError(
+                f"tier {twice.name} is passed twice in tiers; give each tier object once "
+                f"(build a second tier for a second level)"
+            )
+        _check_count("workers", workers, 1024)
+        _check_count("demote_queue", demote_queue)
+        if not isinstance(secret, bytes):
+            raise ConfigError(f"secret: expected bytes, got {type(secret).__name__}")
         self.layout = layout
-        self.tenant = tenant
-        self._model_id = model_id
-        self._weights_version = weights_version
+        self.tenant = check_tenant(tenant)
+        self.identity = identity
         self._secret = secret
-        self._share_group = share_group
+        self._share_groups = check_share_groups(share_groups or {})
         self.tiers = [MeteredTier(t) for t in tiers]
         self._decider = Decider(self.tiers, policy, layout.block_tokens)
         self._index = self._decider.index
@@ -70,7 +115,7 @@ class StoreCore:
         self._engine = TransferEngine(workers, demote_queue)
         self._staging = StagingPool(layout.block_bytes, keep=2 * workers * 4)
         self._lock = threading.RLock()
-        self._namespaces: dict[str, Namespace] = {}
+        self._namespaces: dict[tuple[str, str | None, str | bytes | None], Namespace] = {}
         self._closed = False
         self._persist_on_close = persist_on_close
         if metrics_port is not None:
@@ -80,21 +125,48 @@ class StoreCore:
                 self._index.add_present(list(self.tiers[i].keys()), i)
 
     # -- helpers ---------------------------------------------------------------------------
-    def namespace(self, tenant: str | None = None) -> Namespace:
-        """The key namespace of ``tenant`` (the store's default tenant when None)."""
-        name = tenant or self.tenant
-        ns = self._namespaces.get(name)
+    def namespace(
+        self,
+        tenant: str | None = None,
+        adapter: str | None = None,
+        salt: str | bytes | None = None,
+    ) -> Namespace:
+        """The key namespace of a request: ``tenant`` (the store's default when ``None``; an
+        empty or non-string tenant raises ``ConfigError``), LoRA ``adapter``, cache ``salt``.
+        Namespaces are cached (bounded: per-request salts are many)."""
+        name = self.tenant if tenant is None else tenant
+        memo = (name, adapter, salt)
+        hashable = (
+            isinstance(name, str)
+            and isinstance(adapter, str | None)
+            and isinstance(salt, str | bytes | None)
+        )
+        ns = self._namespaces.get(memo) if hashable else None
         if ns is None:
             ns = Namespace(
-                name,
-                self._model_id,
+                self.identity,
                 self.layout,
-                self._weights_version,
-                self._share_group,
+                Scope(name, adapter, salt),
+                self._share_groups.get(name),
                 self._secret,
             )
-            self._namespaces[name] = ns
+            if len(self._namespaces) >= _NAMESPACE_CACHE:
+                self._namespaces.clear()
+            self._namespaces[memo] = ns
         return ns
+
+    def _first_block(self, start: object, toks: TokenIds) -> int:
+        """The block index of a call's ``start`` offset (tokens the engine already holds).
+        ``LayoutError`` unless it is a whole number, a multiple of ``block_tokens``, within
+        the tokens given."""
+        bt = self.layout.block_tokens
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0 or start % bt:
+            raise LayoutError(
+                f"start must be a non-negative multiple of block_tokens ({bt}), got {start!r}"
+            )
+        if start > len(toks):
+            raise LayoutError(f"start {start} is past the {len(toks)} tokens given")
+        return start // bt
 
     def _views(self, arr: Array, n_blocks: int, first: int = 0) -> list[Array]:
         bt = self.layout.block_tokens

@@ -33,5 +33,6 @@ def main() -> None:
         if p != "belady":
             print(json.dumps(basket.summary(rows, p)))
 
+
 if __name__ == "__main__":
     main()

@@ -36,6 +36,8 @@ def host_store(
         t2 = HostTier(layout, lower * layout.block_bytes)
         t2.name = "host2"
         tiers.append(t2)
+    if "identity" not in kw:
+        kw.setdefault("model_id", "test-model")
     return TieredStore(layout, tiers, **kw)
 
 

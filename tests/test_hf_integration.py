@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 
 
 from kvtier.errors import ConfigError, LayoutError, TokenError  # noqa: E402
+from kvtier.identity import Identity  # noqa: E402
 from kvtier.integrations import hf, hf_cache  # noqa: E402
 from kvtier.integrations.models import ARCHITECTURES, ModelSpec, random_model  # noqa: E402
 from kvtier.layout import KVLayout  # noqa: E402
@@ -29,6 +30,10 @@ BT = 16
 NEW = 6
 
 
+def ident(model: Any) -> Identity:
+    return hf_cache.model_identity(model, "random-llama")
+
+
 @pytest.fixture(scope="module")
 def model() -> Any:
     return random_model(ModelSpec(arch="llama", seed=1))
@@ -40,12 +45,16 @@ def prompt(n: int, seed: int) -> np.ndarray[Any, Any]:
 
 def host_store(model: Any) -> TieredStore:
     layout = hf_cache.model_layout(model, BT)
-    return TieredStore(layout, [HostTier(layout, 64 * layout.block_bytes)])
+    return TieredStore(layout, [HostTier(layout, 64 * layout.block_bytes)], identity=ident(model))
 
 
 def nvme_store(model: Any, path: Path) -> TieredStore:
     layout = hf_cache.model_layout(model, BT)
-    return TieredStore(layout, [NVMeTier(layout, [path], 64 * layout.block_bytes, workers=2)])
+    return TieredStore(
+        layout,
+        [NVMeTier(layout, [path], 64 * layout.block_bytes, workers=2)],
+        identity=ident(model),
+    )
 
 
 def assert_same(got: hf.Generation, ref: hf.Generation) -> None:
@@ -70,7 +79,7 @@ def test_cache_round_trip_each_architecture() -> None:
 
 def test_layout_mismatch_is_rejected_at_setup(model: Any) -> None:
     wrong = KVLayout(layers=4, kv_heads=4, head_dim=32, dtype="float32", block_tokens=BT)
-    store = TieredStore(wrong, [HostTier(wrong, 8 * wrong.block_bytes)])
+    store = TieredStore(wrong, [HostTier(wrong, 8 * wrong.block_bytes)], identity=ident(model))
     with store, pytest.raises(LayoutError, match="kv_heads: model 2 vs store 4"):
         hf.generate_with_cache(model, store, prompt(40, 0), 2)
 
@@ -367,3 +376,25 @@ def test_readme_hf_example_runs() -> None:
     section = readme.split("### HuggingFace transformers", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     exec(compile(code, "README.md", "exec"), {})
+
+
+def test_a_store_for_another_model_configuration_is_refused(model: Any) -> None:
+    """Two configurations that compute different KV (here: another RoPE base) never share a
+    block: the fingerprint differs, and a store built for one refuses the other."""
+    import copy
+
+    other = copy.deepcopy(model)
+    other.config.rope_theta = 1234.5
+    other.config.rope_parameters = {"rope_type": "default", "rope_theta": 1234.5}
+    assert hf_cache.model_fingerprint(other) != hf_cache.model_fingerprint(model)
+    eager = copy.deepcopy(model)
+    eager.config._attn_implementation = "eager"
+    assert hf_cache.model_fingerprint(eager) != hf_cache.model_fingerprint(model)
+    with host_store(model) as store:
+        with pytest.raises(ConfigError, match="model fingerprint"):
+            hf.generate_with_cache(other, store, prompt(40, 0), 1)
+        assert store.stats()["store"]["stored_tokens"] == 0
+    layout = hf_cache.model_layout(model, BT)
+    bare = TieredStore(layout, [HostTier(layout, 8 * layout.block_bytes)], model_id="m")
+    with bare, pytest.raises(ConfigError, match="model_identity"):
+        hf.generate_with_cache(model, bare, prompt(40, 0), 1)  # no fingerprint at all

@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from kvtier.identity import Identity  # noqa: E402
 from kvtier.integrations import hf, hf_cache  # noqa: E402
 from kvtier.integrations.models import ModelSpec, random_model  # noqa: E402
 from kvtier.store import TieredStore  # noqa: E402
@@ -21,6 +22,10 @@ from kvtier.tiers.nvme import NVMeTier  # noqa: E402
 
 BT = 16
 NEW = 4
+
+
+def ident(model: Any) -> Identity:
+    return hf_cache.model_identity(model, "random-llama")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +57,7 @@ def test_layerwise_is_bit_identical(model: Any, kind: str, tmp_path: Path) -> No
     }[kind]()
     ids = prompt(100, 11)
     ref = hf.generate_reference(model, ids, NEW)
-    with TieredStore(layout, [tier]) as store:
+    with TieredStore(layout, [tier], identity=ident(model)) as store:
         hf.generate_with_cache(model, store, ids[:90], 1)
         pre = hf.load_prefix(model, store, ids, layerwise=True)
         assert (pre.stream is None) == (kind == "no-layer-reads")
@@ -67,7 +72,9 @@ def test_corrupt_block_mid_stream_is_recomputed(model: Any) -> None:
     layout = hf_cache.model_layout(model, BT)
     ids = prompt(100, 12)
     ref = hf.generate_reference(model, ids, NEW)
-    with TieredStore(layout, [HostTier(layout, 16 * layout.block_bytes)]) as store:
+    with TieredStore(
+        layout, [HostTier(layout, 16 * layout.block_bytes)], identity=ident(model)
+    ) as store:
         hf.generate_with_cache(model, store, ids[:90], 1, store_generated="none")
         host: Any = store.tiers[0].inner
         slot = host._table.acquire(list(store._index.entries)[2])  # the third block

@@ -28,7 +28,7 @@ def nvme_store(
         HostTier(SMALL, host_blocks * SMALL.block_bytes),
         NVMeTier(SMALL, [tmp_path / "nvme0", tmp_path / "nvme1"], nvme_blocks * SLOT, workers=2),
     ]
-    return TieredStore(SMALL, tiers, **kw)
+    return TieredStore(SMALL, tiers, model_id="test", **kw)
 
 
 def loaded(st: TieredStore, toks: list[int]) -> tuple[int, np.ndarray[Any, Any]]:
@@ -96,6 +96,7 @@ def test_cold_start_config_discards_old_contents(tmp_path: Path) -> None:
                 "head_dim": 4,
                 "dtype": "float16",
                 "block_tokens": 4,
+                "model_id": "test",
             },
             "tiers": [
                 {"kind": "host", "capacity": 2 * SMALL.block_bytes},

@@ -13,6 +13,7 @@ import pytest
 
 from kvtier.config import StoreConfig, parse_bool, parse_int, parse_size
 from kvtier.errors import ConfigError, LayoutError, TokenError
+from kvtier.identity import Identity, Scope
 from kvtier.keys import Namespace, TokenIds, as_tokens, block_keys
 from kvtier.layout import KVLayout, canonical_dtype, load_presets, preset
 from kvtier.plan import make_plan
@@ -23,8 +24,8 @@ from kvtier.tiers.nvme import NVMeTier
 LAY = KVLayout(2, 2, 4, "fp16", block_tokens=4)
 
 
-def ns(tenant: str = "t", **kw: object) -> Namespace:
-    return Namespace(tenant, "model", LAY, **kw)  # type: ignore[arg-type]
+def ns(tenant: str = "t", model: str = "model", layout: KVLayout = LAY, **kw: object) -> Namespace:
+    return Namespace(Identity(model), layout, Scope(tenant), **kw)  # type: ignore[arg-type]
 
 
 def test_keys_are_chained_32_byte_digests() -> None:
@@ -52,10 +53,8 @@ def test_namespaces_separate_tenants_models_layouts_and_secrets() -> None:
     toks = list(range(8))
     base = block_keys(ns(), toks)
     assert block_keys(ns("other"), toks) != base
-    assert block_keys(Namespace("t", "model-2", LAY), toks) != base
-    assert (
-        block_keys(Namespace("t", "model", KVLayout(2, 2, 4, "bf16", block_tokens=4)), toks) != base
-    )
+    assert block_keys(ns(model="model-2"), toks) != base
+    assert block_keys(ns(layout=KVLayout(2, 2, 4, "bf16", block_tokens=4)), toks) != base
     assert block_keys(ns(secret=b"s3cret"), toks) != base
     long = b"k" * 64
     assert block_keys(ns(secret=long + b"1"), toks) != block_keys(ns(secret=long + b"2"), toks)
@@ -125,13 +124,13 @@ def test_parse_size() -> None:
 
 def test_config_validation_and_env_overrides() -> None:
     raw = {
-        "store": {"model": "Llama-3.1-8B", "dtype": "bf16"},
+        "store": {"model": "Llama-3.1-8B", "dtype": "bf16", "model_id": "llama"},
         "tiers": [{"kind": "host", "capacity": "1GiB"}],
     }
     cfg = StoreConfig.from_dict(raw, env={"KVTIER_POLICY": "lru", "KVTIER_TIER0_CAPACITY": "2GiB"})
     assert cfg.policy == "lru" and cfg.tiers[0]["capacity"] == "2GiB"
     assert cfg.layout.dtype == "bfloat16"
-    # KVTIER_PURE selects the pure-Python policies (kvtier/_native.py): no store key, no error
+    # KVTIER_PURE chose a compiled build that is gone: no store key, no error
     assert StoreConfig.from_dict(raw, env={"KVTIER_PURE": "1"}).tiers[0]["capacity"] == "1GiB"
     with pytest.raises(ConfigError, match="unknown key"):
         StoreConfig.from_dict({"store": {"model": "Llama-3.1-8B", "colour": 1}}, env={})
@@ -141,7 +140,7 @@ def test_config_validation_and_env_overrides() -> None:
         StoreConfig.from_dict(raw, env={"KVTIER_TIER3_CAPACITY": "1"})
 
 
-STORE = {"layers": 2, "kv_heads": 2, "head_dim": 4, "block_tokens": 4}
+STORE = {"layers": 2, "kv_heads": 2, "head_dim": 4, "block_tokens": 4, "model_id": "m"}
 HOST = [{"kind": "host", "capacity": "1MiB"}]
 
 
@@ -157,8 +156,8 @@ def test_config_policy_default_is_the_constructors() -> None:
 
 def test_config_reads_env_strings_as_numbers_and_secrets() -> None:
     env = {"KVTIER_WORKERS": "4", "KVTIER_METRICS_PORT": "0", "KVTIER_SECRET": "s3cret"}
-    c = StoreConfig.from_dict(cfg(share_group="g"), env=env)
-    assert (c.workers, c.metrics_port, c.secret, c.share_group) == (4, 0, b"s3cret", "g")
+    c = StoreConfig.from_dict(cfg(share_groups={"a": "g"}), env=env)
+    assert (c.workers, c.metrics_port, c.secret, c.share_groups) == (4, 0, b"s3cret", {"a": "g"})
 
 
 @pytest.mark.parametrize(
@@ -184,8 +183,12 @@ def test_config_reads_env_strings_as_numbers_and_secrets() -> None:
         ("kv_factor", 1.0),
         ("tenant", ""),
         ("tenant", 5),
-        ("share_group", 7),
-        ("share_group", ""),
+        ("share_groups", 7),
+        ("share_groups", {"a": ""}),
+        ("share_groups", {"a": 5}),
+        ("share_group", "g"),
+        ("weights_version", "v1"),
+        ("revision", 3),
         ("secret", 16),
         ("secret", [1, 2]),
         ("secret", ""),
@@ -193,6 +196,7 @@ def test_config_reads_env_strings_as_numbers_and_secrets() -> None:
         ("policy", 3),
         ("dtype", 16),
         ("model_id", 3),
+        ("model_id", ""),
     ],
 )
 def test_bad_store_values_name_the_key_and_value(key: str, value: object) -> None:
@@ -365,9 +369,7 @@ def test_fp8_variants_are_different_formats() -> None:
     e4m3 = KVLayout(2, 2, 4, "fp8", block_tokens=4)
     e5m2 = KVLayout(2, 2, 4, "float8_e5m2", block_tokens=4)
     assert e4m3.fingerprint != e5m2.fingerprint
-    assert block_keys(Namespace("t", "m", e4m3), range(4)) != block_keys(
-        Namespace("t", "m", e5m2), range(4)
-    )
+    assert block_keys(ns(layout=e4m3), range(4)) != block_keys(ns(layout=e5m2), range(4))
     kv = torch.zeros(e4m3.kv_shape(4), dtype=torch.float8_e5m2)
     with pytest.raises(LayoutError, match="float8_e5m2"):
         host_array(kv, e4m3, "kv")

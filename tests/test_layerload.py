@@ -41,7 +41,7 @@ def check_same_as_load(st: TieredStore, layout: KVLayout) -> None:
 
 
 def test_host_layer_load_equals_load() -> None:
-    with TieredStore(BIG, [HostTier(BIG, 8 * BIG.block_bytes)]) as st:
+    with TieredStore(BIG, [HostTier(BIG, 8 * BIG.block_bytes)], model_id="test") as st:
         st.store(TOKS, kv_for(TOKS, BIG))
         before = st.stats()["tiers"]["host"]
         check_same_as_load(st, BIG)
@@ -54,7 +54,9 @@ def test_host_layer_load_equals_load() -> None:
 
 def test_nvme_layer_load_equals_load(tmp_path: Path) -> None:
     cap = 8 * slot_bytes_for(BIG.block_bytes)
-    with TieredStore(BIG, [NVMeTier(BIG, [tmp_path / "a", tmp_path / "b"], cap)]) as st:
+    with TieredStore(
+        BIG, [NVMeTier(BIG, [tmp_path / "a", tmp_path / "b"], cap)], model_id="test"
+    ) as st:
         st.store(TOKS, kv_for(TOKS, BIG))
         check_same_as_load(st, BIG)
 
@@ -62,7 +64,7 @@ def test_nvme_layer_load_equals_load(tmp_path: Path) -> None:
 def test_corrupt_block_in_the_middle_is_a_miss(tmp_path: Path) -> None:
     cap = 8 * slot_bytes_for(BIG.block_bytes)
     tier = NVMeTier(BIG, [tmp_path / "a"], cap)
-    with TieredStore(BIG, [tier]) as st:
+    with TieredStore(BIG, [tier], model_id="test") as st:
         st.store(TOKS, kv_for(TOKS, BIG))
         keys = list(st._index.entries)
         # flip bytes in layer 2 of the third block (slots are handed out in order)
@@ -86,7 +88,7 @@ def test_corrupt_block_in_the_middle_is_a_miss(tmp_path: Path) -> None:
 
 
 def test_host_corruption_and_missing_block() -> None:
-    with TieredStore(BIG, [HostTier(BIG, 8 * BIG.block_bytes)]) as st:
+    with TieredStore(BIG, [HostTier(BIG, 8 * BIG.block_bytes)], model_id="test") as st:
         st.store(TOKS, kv_for(TOKS, BIG))
         host: Any = st.tiers[0].inner
         slot = host._table.acquire(list(st._index.entries)[1])
@@ -102,7 +104,7 @@ class NoLayerHost(HostTier):
 
 
 def test_tier_without_layer_reads_falls_back_to_load() -> None:
-    with TieredStore(BIG, [NoLayerHost(BIG, 8 * BIG.block_bytes)]) as st:
+    with TieredStore(BIG, [NoLayerHost(BIG, 8 * BIG.block_bytes)], model_id="test") as st:
         st.store(TOKS, kv_for(TOKS, BIG))
         out = out_for(BIG, len(TOKS))
         ll = st.load_layers(TOKS, out)

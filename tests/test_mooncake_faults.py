@@ -47,7 +47,7 @@ def _tier(master: str, **kw: Any) -> MooncakeTier:
         "prefix": f"f{os.urandom(4).hex()}",
     }
     opts.update(kw)
-    return MooncakeTier(LAYOUT, master, **opts)
+    return MooncakeTier(LAYOUT, master, **opts, secret=b"test-secret")
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -110,7 +110,9 @@ def test_killed_master_costs_no_caller_a_reconnect_then_recovers() -> None:
     on from the host tier; when the master is back the tier is back without a caller's help."""
     with start_or_skip(0) as cluster:
         tier = _tier(cluster.address)
-        store = TieredStore(LAYOUT, [HostTier(LAYOUT, 64 * LAYOUT.block_bytes), tier], tenant="t")
+        store = TieredStore(
+            LAYOUT, [HostTier(LAYOUT, 64 * LAYOUT.block_bytes), tier], tenant="t", model_id="test"
+        )
         try:
             assert tier.healthy
             k = rand_key()
@@ -208,7 +210,8 @@ _CLOSE_UNDER_LOAD = textwrap.dedent(
     errors = []
     for r in range(rounds):
         tier = MooncakeTier(lay, master, segment_size=16 << 20, buffer_size=1 << 20,
-                            cooldown_s=0.5, rpc_timeout_s=1.0, prefix=f"close{r}")
+                            cooldown_s=0.5, rpc_timeout_s=1.0, prefix=f"close{r}",
+                            secret=b"test-secret")
         stop = threading.Event()
 
         def work():
@@ -260,7 +263,7 @@ def test_close_while_calls_are_in_flight() -> None:
 )  # fmt: skip
 def test_master_that_can_never_work_is_a_config_error(master: str) -> None:
     with pytest.raises(ConfigError, match="master") as err:
-        MooncakeTier(LAYOUT, master, segment_size=0, buffer_size=MIB)
+        MooncakeTier(LAYOUT, master, segment_size=0, buffer_size=MIB, secret=b"test-secret")
     assert repr(master) in str(err.value)
     with pytest.raises(ConfigError, match="master"):
         MooncakeTier.from_config(LAYOUT, {"master": master})

@@ -52,14 +52,14 @@ def _redis(server: ServerProcess) -> RedisTier:
     opts = RedisOptions(
         url=f"redis://127.0.0.1:{server.port}", timeout=TIMEOUT_S, connect_timeout=TIMEOUT_S
     )
-    return RedisTier(LAYOUT, opts, cooldown_s=COOLDOWN_S)
+    return RedisTier(LAYOUT, opts, cooldown_s=COOLDOWN_S, secret=b"test-secret")
 
 
 def _s3(server: ServerProcess) -> S3Tier:
     opts = S3Options(
         bucket="outage", endpoint_url=f"http://127.0.0.1:{server.port}", timeout=TIMEOUT_S
     )
-    return S3Tier(LAYOUT, opts, create_bucket=True, cooldown_s=COOLDOWN_S)
+    return S3Tier(LAYOUT, opts, create_bucket=True, cooldown_s=COOLDOWN_S, secret=b"test-secret")
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -122,7 +122,9 @@ def test_hung_s3_costs_each_of_concurrent_callers_about_one_timeout(s3_proc: Ser
         bucket="hung", endpoint_url=f"http://127.0.0.1:{s3_proc.port}", timeout=TIMEOUT_S
     )
     opts = dataclasses.replace(opts, workers=4)
-    tier = S3Tier(LAYOUT, opts, create_bucket=True, ttl_days=1, cooldown_s=COOLDOWN_S)
+    tier = S3Tier(
+        LAYOUT, opts, create_bucket=True, ttl_days=1, cooldown_s=COOLDOWN_S, secret=b"test-secret"
+    )
     keys = [rand_key() for _ in range(8)]
     blocks = [rand_block(seed=i) for i in range(8)]
 
@@ -182,7 +184,9 @@ def test_store_keeps_serving_from_host_while_shared_tier_is_down(
     """The run goes on: stores and loads work from the host tier; the shared tier is skipped."""
     lay = KVLayout(layers=2, kv_heads=2, head_dim=8, dtype="float16", block_tokens=16)
     shared = _redis(redis_proc)
-    store = TieredStore(lay, [HostTier(lay, 64 * lay.block_bytes), shared], tenant="t")
+    store = TieredStore(
+        lay, [HostTier(lay, 64 * lay.block_bytes), shared], tenant="t", model_id="test"
+    )
     try:
         rng = np.random.default_rng(0)
         tokens = rng.integers(0, 50_000, size=64)

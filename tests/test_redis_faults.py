@@ -55,7 +55,9 @@ def test_cluster_with_wrong_ports_is_a_miss(hash_tag: Any) -> None:
     is no ``RedisError`` -- the tier must still answer misses, never raise."""
     nodes = (f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}")
     opts = RedisOptions(cluster=nodes, timeout=TIMEOUT_S, connect_timeout=TIMEOUT_S)
-    tier = RedisTier(LAYOUT, opts, hash_tag=hash_tag, cooldown_s=0.0)  # every call tries
+    tier = RedisTier(
+        LAYOUT, opts, hash_tag=hash_tag, cooldown_s=0.0, secret=b"test-secret"
+    )  # every call tries
     try:
         _assert_all_misses(tier)
         assert tier.breaker.trips >= 5
@@ -78,13 +80,15 @@ def test_cluster_with_every_master_dead_is_a_miss_then_recovers(
 ) -> None:
     addrs = tuple(f"127.0.0.1:{n.port}" for n in own_cluster)
     opts = RedisOptions(cluster=addrs, timeout=TIMEOUT_S, connect_timeout=TIMEOUT_S)
-    writer = RedisTier(LAYOUT, opts, prefix=_prefix(), cooldown_s=0.0)  # every call tries
+    writer = RedisTier(
+        LAYOUT, opts, prefix=_prefix(), cooldown_s=0.0, secret=b"test-secret"
+    )  # every call tries
     try:
         k, b = rand_key(), rand_block(seed=1)
         assert writer.put([k], [b]) == [True]
         for n in own_cluster:
             n.kill()
-        fresh = RedisTier(LAYOUT, opts, prefix=writer.prefix, cooldown_s=0.0)
+        fresh = RedisTier(LAYOUT, opts, prefix=writer.prefix, cooldown_s=0.0, secret=b"test-secret")
         for tier in (fresh, writer):  # a client that never connected, and one that had
             _assert_all_misses(tier)
             _assert_all_misses(tier)
@@ -118,7 +122,9 @@ def test_a_hung_shard_costs_a_batch_about_one_timeout(own_cluster: list[ServerPr
     timeout = 0.25
     addrs = tuple(f"127.0.0.1:{n.port}" for n in own_cluster)
     opts = RedisOptions(cluster=addrs, timeout=timeout, connect_timeout=timeout)
-    tier = RedisTier(LAYOUT, opts, prefix=_prefix(), hash_tag="block", cooldown_s=0.0)
+    tier = RedisTier(
+        LAYOUT, opts, prefix=_prefix(), hash_tag="block", cooldown_s=0.0, secret=b"test-secret"
+    )
     hung = own_cluster[1]
     assert hung.pid is not None
     try:
@@ -150,7 +156,13 @@ def test_a_moved_slot_is_followed_not_an_outage(own_cluster: list[ServerProcess]
     """A slot changes owner after the client learned the slot map (resharding, failover): the
     old owner answers MOVED; the tier refreshes the map and resends -- a hit, breaker closed."""
     addrs = tuple(f"127.0.0.1:{n.port}" for n in own_cluster)
-    tier = RedisTier(LAYOUT, RedisOptions(cluster=addrs), prefix=_prefix(), hash_tag="block")
+    tier = RedisTier(
+        LAYOUT,
+        RedisOptions(cluster=addrs),
+        prefix=_prefix(),
+        hash_tag="block",
+        secret=b"test-secret",
+    )
     try:
         assert tier.put([rand_key()], [rand_block()]) == [True]  # the slot map is known now
         client = tier.client()
@@ -187,7 +199,9 @@ def full_server() -> Iterator[ServerProcess]:
 
 def test_full_server_refuses_puts_and_keeps_serving_reads(full_server: ServerProcess) -> None:
     url = f"redis://127.0.0.1:{full_server.port}"
-    tier = RedisTier(LAYOUT, RedisOptions(url=url), prefix=_prefix(), cooldown_s=60.0)
+    tier = RedisTier(
+        LAYOUT, RedisOptions(url=url), prefix=_prefix(), cooldown_s=60.0, secret=b"test-secret"
+    )
     try:
         k0, b0 = rand_key(), rand_block(seed=7)
         assert tier.put([k0], [b0]) == [True]
@@ -220,7 +234,9 @@ def any_redis(request: pytest.FixtureRequest) -> RedisTier:
     else:
         opts = RedisOptions(cluster=tuple(request.getfixturevalue("redis_cluster")))
     tag = "block" if request.param == "cluster-block" else "tenant"
-    return RedisTier(LAYOUT, opts, prefix=_prefix(), hash_tag=tag, cooldown_s=60.0)
+    return RedisTier(
+        LAYOUT, opts, prefix=_prefix(), hash_tag=tag, cooldown_s=60.0, secret=b"test-secret"
+    )
 
 
 def test_wrong_type_value_is_a_dropped_miss_and_nothing_else(any_redis: RedisTier) -> None:
@@ -252,7 +268,9 @@ def test_wrong_type_value_is_a_dropped_miss_and_nothing_else(any_redis: RedisTie
 
 def test_refused_connection_setup_opens_the_breaker(redis_url: str) -> None:
     """``SELECT`` of a db the server lacks: every connection fails, so it is an outage."""
-    tier = RedisTier(LAYOUT, RedisOptions(url=f"{redis_url}/99"), cooldown_s=60.0)
+    tier = RedisTier(
+        LAYOUT, RedisOptions(url=f"{redis_url}/99"), cooldown_s=60.0, secret=b"test-secret"
+    )
     try:
         _assert_all_misses(tier)
         assert not tier.healthy and tier.breaker.trips == 1 and tier.refusals == 0
@@ -316,7 +334,7 @@ def test_unix_socket_url_works() -> None:
     server = redis_server_process(None, "--unixsocket", "{dir}/redis.sock").start()
     try:
         url = f"unix://{server.workdir}/redis.sock"
-        tier = RedisTier(LAYOUT, RedisOptions(url=url), prefix=_prefix())
+        tier = RedisTier(LAYOUT, RedisOptions(url=url), prefix=_prefix(), secret=b"test-secret")
         k, b, out = rand_key(), rand_block(seed=5), empty_block()
         assert tier.put([k], [b]) == [True] and tier.get_into([k], [out]) == [True]
         assert out.tobytes() == b.tobytes()

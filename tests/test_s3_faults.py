@@ -118,7 +118,7 @@ def _tier(endpoint: str, **kw: Any) -> S3Tier:
         prefix="f" + uuid.uuid4().hex[:12],
         create_bucket=True,
         cooldown_s=COOLDOWN_S,
-        **kw,
+        **({} if "sealer" in kw else {"secret": b"test-secret"}) | kw,
     )
 
 
@@ -202,7 +202,7 @@ def test_unreadable_lifecycle_rules_are_not_overwritten(
     )
     proxy.faults[f"GET /{bucket}?lifecycle"] = (403, "AccessDenied")
     opts = S3Options(bucket=bucket, endpoint_url=proxy.url, workers=4, timeout=2.0)
-    tier = S3Tier(LAYOUT, opts, ttl_days=7, cooldown_s=COOLDOWN_S)
+    tier = S3Tier(LAYOUT, opts, ttl_days=7, cooldown_s=COOLDOWN_S, secret=b"test-secret")
     try:
         k, block = rand_key(), rand_block(seed=4)
         assert tier.put([k], [block]) == [True]
@@ -245,7 +245,7 @@ def test_a_request_to_a_hung_server_is_sent_once() -> None:
     hung = HungServer()
     timeout = 0.5
     opts = S3Options(bucket=BUCKET, endpoint_url=hung.url, workers=4, timeout=timeout)
-    tier = S3Tier(LAYOUT, opts, cooldown_s=60.0)
+    tier = S3Tier(LAYOUT, opts, cooldown_s=60.0, secret=b"test-secret")
     try:
         tier.client()  # built now (no request), not inside the timed call
         t0 = time.monotonic()

@@ -21,6 +21,7 @@ MASTER = bytes(range(32))
 
 
 def make(url: str, prefix: str, **kw: object) -> RedisTier:
+    kw.setdefault("secret", b"test-secret") if "sealer" not in kw else None
     return RedisTier(LAYOUT, RedisOptions(url=url), prefix=prefix, **kw)  # type: ignore[arg-type]
 
 

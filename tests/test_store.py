@@ -49,16 +49,18 @@ def test_different_prefix_same_block_tokens_do_not_match() -> None:
         assert st.lookup(b) == 0
 
 
-def test_tenants_are_isolated_unless_share_group() -> None:
+def test_tenants_are_isolated_unless_mapped_into_one_share_group() -> None:
     toks = list(range(8))
     with host_store() as st:
         st.store(toks, kv_for(toks), tenant="alice")
         assert st.lookup(toks, tenant="alice") == 8
         assert st.lookup(toks, tenant="bob") == 0
         assert st.stats()["tenants"]["alice"]["stored_tokens"] == 8
-    with host_store(share_group="org") as st:
+    with host_store(share_groups={"alice": "org", "bob": "org"}) as st:
         st.store(toks, kv_for(toks), tenant="alice")
         assert st.lookup(toks, tenant="bob") == 8
+        assert st.lookup(toks, tenant="carol") == 0  # not in the group
+        assert st.lookup(toks) == 0  # nor is the default tenant
 
 
 def test_eviction_demotes_and_hit_promotes() -> None:
@@ -163,14 +165,15 @@ def test_a_block_an_eviction_is_removing_is_a_miss_not_a_loss() -> None:
     keys = [bytes([i]) * 32 for i in range(3)]
     for k in keys:
         dec.index.add_present([k], 1)
+    reads = {k: dec.readable_prefix(iter([k]), 1) for k in keys}  # readers, before the evict
+    assert all(len(r) == 1 for r in reads.values())
     moves: list[Move] = []  # the last tier drops its victims: the move deletes, apply commits
     dec.plan_eviction(1, [keys[0]], moves)
     assert [m.dst for m in moves] == [None]
+    assert dec.readable_prefix(iter([keys[0]]), 1) == []  # a later reader does not count it
     for k in keys:
-        reads = dec.readable_prefix(iter([k]), 1)
-        assert len(reads) == 1
         dec.index.pin([k])
-        dec.finish_load(reads, [False], 0, "t")  # none of them is in the tier
+        dec.finish_load(reads[k], [False], 0, "t")  # none of them is in the tier
     # keys[0]: being evicted -> a miss; keys[1], keys[2]: listed present, unreadable -> lost
     assert dec.counters.invalid_blocks == 2
 
@@ -258,7 +261,7 @@ def test_store_from_toml_file_with_env_override(tmp_path: Path) -> None:
     cfg = tmp_path / "kvtier.toml"
     cfg.write_text(
         '[store]\nlayers = 2\nkv_heads = 2\nhead_dim = 4\ndtype = "fp16"\nblock_tokens = 4\n'
-        'tenant = "acme"\n\n[[tiers]]\nkind = "host"\ncapacity = "1MiB"\n'
+        'tenant = "acme"\nmodel_id = "m"\n\n[[tiers]]\nkind = "host"\ncapacity = "1MiB"\n'
     )
     with TieredStore.from_config(cfg, env={"KVTIER_TIER0_CAPACITY": "64KiB"}) as st:
         assert st.layout == SMALL

@@ -70,7 +70,7 @@ def test_store_evicts_what_it_can_when_part_of_the_tier_is_pinned() -> None:
 
 def test_a_tier_raising_on_read_is_a_miss_and_releases_pins() -> None:
     t = RaisingTier(SMALL, 4 * SMALL.block_bytes, op="read")
-    with TieredStore(SMALL, [t], workers=1) as st:
+    with TieredStore(SMALL, [t], workers=1, model_id="test") as st:
         a = prompt(100, 4)
         st.store(a, kv_for(a))
         out = np.zeros(SMALL.kv_shape(len(a)), SMALL.storage_dtype)
@@ -86,7 +86,7 @@ def test_a_failing_demotion_keeps_index_and_tiers_in_step() -> None:
     top = HostTier(SMALL, 4 * SMALL.block_bytes)
     low = RaisingTier(SMALL, 8 * SMALL.block_bytes, op="write")
     low.name = "low"
-    with TieredStore(SMALL, [top, low], workers=1) as st:
+    with TieredStore(SMALL, [top, low], workers=1, model_id="test") as st:
         a, b = prompt(100, 4), prompt(500, 4)
         st.store(a, kv_for(a))
         assert st.store(b, kv_for(b)) == 4 * BT  # a's demotion raised once: a is dropped
@@ -104,7 +104,7 @@ def test_a_slow_demotion_is_waited_for_not_answered_with_more_evictions() -> Non
     top = HostTier(SMALL, 8 * SMALL.block_bytes)
     low = SlowTier(SMALL, 64 * SMALL.block_bytes)
     low.name = "slow"
-    with TieredStore(SMALL, [top, low], workers=2) as st:
+    with TieredStore(SMALL, [top, low], workers=2, model_id="test") as st:
         a = prompt(100, 8)
         st.store(a, kv_for(a))
         b = prompt(900, 1)

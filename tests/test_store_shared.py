@@ -59,7 +59,9 @@ class _Raising(RedisTier):
 
 
 def test_a_shared_tier_that_raises_is_a_miss(redis_url: str) -> None:
-    shared = _Raising(LAY, RedisOptions(url=redis_url), prefix="rz" + uuid.uuid4().hex[:8])
+    shared = _Raising(
+        LAY, RedisOptions(url=redis_url), prefix="rz" + uuid.uuid4().hex[:8], secret=b"s"
+    )
     with TieredStore(LAY, [HostTier(LAY, 4 * LAY.block_bytes), shared], model_id="m") as st:
         out = np.zeros(LAY.kv_shape(len(TOKENS)), np.float16)
         assert st.lookup(TOKENS) == 0
@@ -71,7 +73,7 @@ def test_a_shared_block_the_server_dropped_is_a_miss_not_a_loss(redis_url: str) 
     """The index lists a block in the shared tier (written through), the server evicts it on
     its own: a plain miss, not counted as lost or corrupt."""
     prefix = "ev" + uuid.uuid4().hex[:8]
-    shared = RedisTier(LAY, RedisOptions(url=redis_url), prefix=prefix)
+    shared = RedisTier(LAY, RedisOptions(url=redis_url), prefix=prefix, secret=b"test-secret")
     with TieredStore(LAY, [HostTier(LAY, 4 * LAY.block_bytes), shared], model_id="m") as st:
         short = TOKENS[: 4 * LAY.block_tokens]
         kv = _kv(len(short))

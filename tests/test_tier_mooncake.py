@@ -36,6 +36,8 @@ pytestmark = pytest.mark.server
 def _tier(layout: KVLayout, master: str, **kw: object) -> MooncakeTier:
     opts: dict[str, object] = {"segment_size": 0, "buffer_size": 4 * MIB, "cooldown_s": 0.5}
     opts.update(kw)
+    if "sealer" not in opts:
+        opts["secret"] = b"test-secret"
     return MooncakeTier(layout, master, prefix=f"t{os.urandom(4).hex()}", **opts)  # type: ignore[arg-type]
 
 
@@ -77,6 +79,7 @@ def test_registry_builds_the_tier(mooncake_cluster: MooncakeCluster) -> None:
             "master": mooncake_cluster.address,
             "segment_size": 0,
             "buffer_size": "1MiB",
+            "secret": "deployment secret",
         },
     )
     try:
@@ -163,12 +166,13 @@ def test_framed_buffers_move_as_one_value_and_interoperate(tier: MooncakeTier) -
     assert tier.put([a, b], [framed, plain]) == [True, True]
     client = tier._ready()
     (na,) = tier._names([a], "")
-    assert client.get(na)[codec.HEADER_BYTES :] == framed.tobytes()
+    n = codec.HEADER_BYTES + framed.nbytes
+    assert client.get(na)[codec.HEADER_BYTES : n] == framed.tobytes()  # then the MAC
     outs = [empty_block(), _framed_block()]  # a (framed) into plain, b (plain) into framed
     assert tier.get_into([a, b], outs) == [True, True]
     assert outs[0].tobytes() == framed.tobytes() and outs[1].tobytes() == plain.tobytes()
     value = bytearray(client.get(na))
-    value[-1] ^= 1  # a flipped payload bit, written back in place of the good value
+    value[n - 1] ^= 1  # a flipped payload bit, written back in place of the good value
     assert client.remove(na, True) == 0 and client.put(na, bytes(value)) == 0
     assert tier.get_into([a], [_framed_block()]) == [False]
     assert tier.contains_prefix([a]) == 0  # dropped on read
@@ -251,7 +255,8 @@ from kvtier.tiers.mooncake import MooncakeTier
 
 master, prefix, tenant, *hex_keys = sys.argv[1:]
 layout = KVLayout(2, 2, 8, "float16", block_tokens=16)
-tier = MooncakeTier(layout, master, segment_size=0, buffer_size=1 << 20, prefix=prefix)
+tier = MooncakeTier(layout, master, segment_size=0, buffer_size=1 << 20, prefix=prefix,
+                    secret=b"test-secret")
 blocks = [np.random.default_rng(i).integers(0, 2**16, layout.block_shape, dtype=np.uint16)
           for i in range(len(hex_keys))]
 ok = tier.put([BlockKey(bytes.fromhex(h)) for h in hex_keys], blocks, tenant=tenant)

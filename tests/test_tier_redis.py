@@ -48,7 +48,9 @@ class TestRedisSingle(TierConformance):
         self.url = redis_url
 
     def make_tier(self, layout: KVLayout, capacity_blocks: int, tmp_path: Path) -> Tier:
-        return RedisTier(layout, RedisOptions(url=self.url), prefix=_prefix())
+        return RedisTier(
+            layout, RedisOptions(url=self.url), prefix=_prefix(), secret=b"test-secret"
+        )
 
     def corrupt(self, tier: Tier, key: BlockKey) -> bool:
         assert isinstance(tier, RedisTier)
@@ -61,7 +63,9 @@ class TestRedisCluster(TierConformance):
         self.nodes = tuple(redis_cluster)
 
     def make_tier(self, layout: KVLayout, capacity_blocks: int, tmp_path: Path) -> Tier:
-        return RedisTier(layout, RedisOptions(cluster=self.nodes), prefix=_prefix())
+        return RedisTier(
+            layout, RedisOptions(cluster=self.nodes), prefix=_prefix(), secret=b"test-secret"
+        )
 
     def corrupt(self, tier: Tier, key: BlockKey) -> bool:
         assert isinstance(tier, RedisTier)
@@ -73,7 +77,11 @@ class TestRedisClusterSpread(TestRedisCluster):
 
     def make_tier(self, layout: KVLayout, capacity_blocks: int, tmp_path: Path) -> Tier:
         return RedisTier(
-            layout, RedisOptions(cluster=self.nodes), prefix=_prefix(), hash_tag="block"
+            layout,
+            RedisOptions(cluster=self.nodes),
+            prefix=_prefix(),
+            hash_tag="block",
+            secret=b"test-secret",
         )
 
 
@@ -85,7 +93,7 @@ def _calls(client: redis.Redis, command: str) -> int:
 def test_prefix_lookup_of_128k_token_prompt_is_one_command(redis_url: str) -> None:
     """512 blocks of 256 tokens: ``contains_prefix`` is ONE script call (one round trip)."""
     lay = KVLayout(layers=1, kv_heads=1, head_dim=8, dtype="float16", block_tokens=256)
-    tier = RedisTier(lay, RedisOptions(url=redis_url), prefix=_prefix())
+    tier = RedisTier(lay, RedisOptions(url=redis_url), prefix=_prefix(), secret=b"test-secret")
     try:
         keys = [rand_key() for _ in range(512)]
         block = rand_block(lay, seed=1)
@@ -102,7 +110,9 @@ def test_prefix_lookup_of_128k_token_prompt_is_one_command(redis_url: str) -> No
 
 
 def test_cluster_keys_of_one_tenant_share_a_slot(redis_cluster: list[str]) -> None:
-    tier = RedisTier(LAYOUT, RedisOptions(cluster=tuple(redis_cluster)), prefix=_prefix())
+    tier = RedisTier(
+        LAYOUT, RedisOptions(cluster=tuple(redis_cluster)), prefix=_prefix(), secret=b"test-secret"
+    )
     try:
         client = tier.client()
         assert isinstance(client, redis.cluster.RedisCluster)
@@ -117,7 +127,9 @@ def test_cluster_keys_of_one_tenant_share_a_slot(redis_cluster: list[str]) -> No
 
 
 def test_ttl_expires_blocks(redis_url: str) -> None:
-    tier = RedisTier(LAYOUT, RedisOptions(url=redis_url), prefix=_prefix(), ttl_s=100)
+    tier = RedisTier(
+        LAYOUT, RedisOptions(url=redis_url), prefix=_prefix(), ttl_s=100, secret=b"test-secret"
+    )
     try:
         k = rand_key()
         tier.put([k], [rand_block()])
@@ -144,7 +156,10 @@ def test_close_closes_the_tiers_connections(mode: str, request: pytest.FixtureRe
 
     gc.collect()  # connections of tiers other tests dropped go now, not mid-count
     before = connected()
-    tiers = [RedisTier(LAYOUT, opts, prefix=_prefix(), hash_tag="block") for _ in range(3)]
+    tiers = [
+        RedisTier(LAYOUT, opts, prefix=_prefix(), hash_tag="block", secret=b"test-secret")
+        for _ in range(3)
+    ]
     for tier in tiers:
         keys = [rand_key() for _ in range(8)]
         assert tier.put(keys, [rand_block()] * 8) == [True] * 8
@@ -159,7 +174,10 @@ def test_close_closes_the_tiers_connections(mode: str, request: pytest.FixtureRe
 
 
 def test_from_config_via_registry(redis_url: str) -> None:
-    tier = make_tier(LAYOUT, {"kind": "redis", "url": redis_url, "prefix": _prefix(), "ttl": 60})
+    spec = {"kind": "redis", "url": redis_url, "prefix": _prefix(), "ttl": 60}
+    with pytest.raises(ConfigError, match="trust_pool"):
+        make_tier(LAYOUT, spec)  # neither a secret nor encryption: refused
+    tier = make_tier(LAYOUT, spec, secret=b"deployment secret")  # the store's secret
     try:
         assert isinstance(tier, RedisTier) and tier.shared and not tier.persistent
         assert_round_trip(tier, seed=3)
@@ -171,7 +189,10 @@ def test_from_config_via_registry(redis_url: str) -> None:
     ("spec", "needle"),
     [
         ({"url": "redis://x", "colour": "red"}, "colour"),
-        ({"hash_tag": "slot"}, "hash_tag"),
+        ({"hash_tag": "slot", "secret": "s"}, "hash_tag"),
+        ({"url": "redis://127.0.0.1:1"}, "trust_pool = true"),  # neither secret nor encryption
+        ({"secret": 5}, "secret"),
+        ({"secret": "s", "trust_pool": "maybe"}, "trust_pool"),
         ({"cluster": ["nohost"]}, "host:port"),
         ({"encryption_key": "zz"}, "hex"),
         ({"timeout": 0}, "timeout"),
@@ -189,8 +210,15 @@ def test_auth_password_is_passed_through(tmp_path: Path) -> None:
     server = redis_server_process(None, "--requirepass", "s3cret").start()
     try:
         url = f"redis://127.0.0.1:{server.port}/0"
-        bad = RedisTier(LAYOUT, RedisOptions(url=url, password="wrong"), prefix=_prefix())
-        good = RedisTier(LAYOUT, RedisOptions(url=url, password="s3cret"), prefix=_prefix())
+        bad = RedisTier(
+            LAYOUT, RedisOptions(url=url, password="wrong"), prefix=_prefix(), secret=b"test-secret"
+        )
+        good = RedisTier(
+            LAYOUT,
+            RedisOptions(url=url, password="s3cret"),
+            prefix=_prefix(),
+            secret=b"test-secret",
+        )
         k = rand_key()
         assert bad.put([k], [rand_block()]) == [False] and not bad.healthy
         assert good.put([k], [rand_block()]) == [True] and good.healthy

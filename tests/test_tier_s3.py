@@ -29,7 +29,13 @@ BUCKET = "kvtier-test"
 
 def s3_tier(endpoint: str, layout: KVLayout = LAYOUT, **kw: Any) -> S3Tier:
     opts = S3Options(bucket=BUCKET, endpoint_url=endpoint, workers=4)
-    return S3Tier(layout, opts, prefix="t" + uuid.uuid4().hex[:12], create_bucket=True, **kw)
+    return S3Tier(
+        layout,
+        opts,
+        prefix="t" + uuid.uuid4().hex[:12],
+        create_bucket=True,
+        **({} if "sealer" in kw else {"secret": b"test-secret"}) | kw,
+    )
 
 
 class TestS3Tier(TierConformance):

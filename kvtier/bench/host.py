@@ -42,7 +42,8 @@ def _lookup_times(rounds: int) -> dict[str, float]:
     lay = KVLayout(layers=1, kv_heads=1, head_dim=8, dtype="float16")  # keys don't care
     n = 128 * 1024
     toks = np.random.default_rng(1).integers(0, 128_000, n, dtype=np.int64)
-    with TieredStore(lay, [HostTier(lay, (n // 256 + 8) * lay.block_bytes)], workers=1) as st:
+    tier = HostTier(lay, (n // 256 + 8) * lay.block_bytes)
+    with TieredStore(lay, [tier], workers=1, model_id="bench") as st:
         st.store(toks, np.zeros(lay.kv_shape(n), lay.storage_dtype))
         assert st.lookup(toks) == n
         as_list = toks.tolist()
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     tier = HostTier(lay, (blocks + 1) * lay.block_bytes)
     counter = iter(range(1, 1 << 30))
-    with TieredStore(lay, [tier], workers=args.workers) as st:
+    with TieredStore(lay, [tier], workers=args.workers, model_id="bench") as st:
         state: dict[str, Any] = {}
         t_store = float("inf")
         for _ in range(args.rounds):

@@ -133,7 +133,7 @@ def _run(args: argparse.Namespace, lay: KVLayout, master: str) -> dict[str, Any]
         segment_size=args.segment_mib * MIB,
         buffer_size=(n + 1) * (lay.block_bytes + MIB),
         prefix="bench" + uuid.uuid4().hex[:8],
-        sealer=bench_sealer(lay, args.encrypt),
+        sealer=bench_sealer(lay, args.encrypt, not args.no_auth),
     )
     try:
         client = tier.client
@@ -187,5 +187,6 @@ def _run(args: argparse.Namespace, lay: KVLayout, master: str) -> dict[str, Any]
         "blocks": n,
         "protocol": args.protocol,
         "encrypted": bool(args.encrypt),
+        "auth": bench_sealer(lay, args.encrypt, not args.no_auth).mode,
         "framed": not args.plain,
     }

@@ -78,7 +78,7 @@ def _run(
     args: argparse.Namespace, lay: KVLayout, url: str, cluster: tuple[str, ...]
 ) -> dict[str, Any]:
     opts = RedisOptions(url=url or "redis://127.0.0.1:6379", cluster=cluster, timeout=30.0)
-    sealer = bench_sealer(lay, args.encrypt)
+    sealer = bench_sealer(lay, args.encrypt, not args.no_auth)
     prefix = "bench" + uuid.uuid4().hex[:8]
     tier = RedisTier(lay, opts, prefix=prefix, sealer=sealer, batch_bytes=1 << 40)
     raw = opts.connect()  # the tier's own client setup (values go out without a copy)
@@ -122,5 +122,6 @@ def _run(
         "block_bytes": lay.block_bytes,
         "blocks": n,
         "encrypted": bool(args.encrypt),
+        "auth": bench_sealer(lay, args.encrypt, not args.no_auth).mode,
         "framed": not args.plain,
     }

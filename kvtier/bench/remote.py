@@ -44,6 +44,11 @@ def add_round_arguments(parser: argparse.ArgumentParser, blocks: int, rounds: in
     parser.add_argument("--rounds", type=int, default=rounds, help=f"interleaved rounds ({rounds})")
     parser.add_argument("--encrypt", action="store_true", help="AES-GCM seal the tier's blocks")
     parser.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="plain blocks (trust_pool): measure the tier without its MAC",
+    )
+    parser.add_argument(
         "--plain",
         action="store_true",
         help="the tier gets plain arrays instead of framed buffers (header room before the "
@@ -51,9 +56,14 @@ def add_round_arguments(parser: argparse.ArgumentParser, blocks: int, rounds: in
     )
 
 
-def bench_sealer(layout: KVLayout, encrypt: bool) -> BlockSealer:
-    """The tier's sealer: plain, or AES-GCM under a fresh random master key."""
-    return BlockSealer(layout, os.urandom(32) if encrypt else b"")
+def bench_sealer(layout: KVLayout, encrypt: bool, auth: bool = True) -> BlockSealer:
+    """The tier's sealer: AES-GCM under a fresh random master key, a MAC under a fresh random
+    secret (the default: what a deployment runs), or plain (``auth`` off: a trusted pool)."""
+    if encrypt:
+        return BlockSealer(layout, os.urandom(32))
+    if auth:
+        return BlockSealer(layout, secret=os.urandom(32))
+    return BlockSealer(layout, trusted=True)
 
 
 def bench_layout(block_mib: int) -> KVLayout:

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _run(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
     lay = bench_layout(args.block_mib)
     opts = S3Options(bucket=args.bucket, endpoint_url=endpoint, timeout=60.0, workers=args.workers)
-    sealer = bench_sealer(lay, args.encrypt)
+    sealer = bench_sealer(lay, args.encrypt, not args.no_auth)
     prefix = "bench" + uuid.uuid4().hex[:8]
     tier = S3Tier(lay, opts, prefix=prefix, create_bucket=True, sealer=sealer)
     tier.client()  # connect and create the bucket outside the timed part
@@ -123,5 +123,6 @@ def _run(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
         "blocks": n,
         "workers": args.workers,
         "encrypted": bool(args.encrypt),
+        "auth": bench_sealer(lay, args.encrypt, not args.no_auth).mode,
         "framed": not args.plain,
     }

@@ -77,7 +77,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "suffix_tokens": args.suffix,
     }
     identical = True
-    host = TieredStore(layout, [HostTier(layout, cap + layout.block_bytes)])
+    identity = hf_cache.model_identity(model, "kvtier-bench-random-llama")
+    host = TieredStore(layout, [HostTier(layout, cap + layout.block_bytes)], identity=identity)
     try:
         for n in lengths:
             ids = rng.integers(0, spec.vocab, n + args.suffix)
@@ -128,16 +129,18 @@ def _one_length(
         d.mkdir(parents=True, exist_ok=True)
         buf, view = hf_cache.host_buffer(layout, n)
         got = host.load(ids[:n], view)
-        with TieredStore(layout, [NVMeTier(layout, [d], cap)]) as nvme:
+        with TieredStore(layout, [NVMeTier(layout, [d], cap)], identity=host.identity) as nvme:
             nvme.store(ids[:got], view[:, :, :got])
         del buf
         runs, lw_runs = [], []
         for _ in range(args.repeat):
             t0 = time.perf_counter()
-            with TieredStore(layout, [NVMeTier(layout, [d], cap)]) as nvme:  # warm restart
+            with TieredStore(
+                layout, [NVMeTier(layout, [d], cap)], identity=host.identity
+            ) as nvme:  # warm restart
                 reopen = time.perf_counter() - t0
                 runs.append(hf.generate_with_cache(model, nvme, ids, 1, store_generated="none"))
-            with TieredStore(layout, [NVMeTier(layout, [d], cap)]) as nvme:
+            with TieredStore(layout, [NVMeTier(layout, [d], cap)], identity=host.identity) as nvme:
                 lw_runs.append(
                     hf.generate_with_cache(
                         model, nvme, ids, 1, store_generated="none", layerwise=True

@@ -154,7 +154,10 @@ def _sessions(
         HostTier(layout, args.host_blocks * layout.block_bytes),
         NVMeTier(layout, [d], args.nvme_blocks * layout.block_bytes, warm_restart=False),
     ]
-    with TieredStore(layout, tiers, model_id=str(args.model or "random-llama")) as store:
+    from kvtier.integrations import hf_cache
+
+    identity = hf_cache.model_identity(model, str(args.model or "random-llama"))
+    with TieredStore(layout, tiers, identity=identity) as store:
         for turn in range(args.turns):
             for s in range(args.sessions):
                 conv = convs[s]

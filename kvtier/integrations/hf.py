@@ -176,6 +176,7 @@ def load_prefix(
         raise ConfigError(f"min_recompute must be >= 1 (the last logits), got {min_recompute}")
     layout = store.layout
     hf_cache.check_layout(model, layout)
+    hf_cache.check_identity(model, store.identity)
     _, tokens = input_tensor(model, input_ids)
     t0 = time.perf_counter()
     limit = max(0, len(tokens) - min_recompute)

@@ -8,6 +8,8 @@ batch of one sequence, on CPU or CUDA (through pinned host buffers and non-block
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -17,7 +19,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvtier.errors import LayoutError
+from kvtier.errors import ConfigError, LayoutError
+from kvtier.identity import Identity
 from kvtier.kvarray import Array
 from kvtier.layout import KVLayout
 
@@ -57,6 +60,61 @@ def model_layout(model: Any, block_tokens: int) -> KVLayout:
     return KVLayout(
         int(cfg.num_hidden_layers), kv_heads, int(head_dim), _TORCH_DTYPES[dtype], 2, block_tokens
     )
+
+
+#: config fields that change what K and V are for the same weights and tokens
+_KV_CONFIG = (
+    "model_type",
+    "architectures",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "partial_rotary_factor",
+    "max_position_embeddings",
+    "attention_bias",
+    "sliding_window",
+    "use_sliding_window",
+    "rms_norm_eps",
+    "hidden_act",
+    "vocab_size",
+)
+
+
+def model_fingerprint(model: Any) -> str:
+    """A digest of everything in ``model``'s configuration that changes its KV for the same
+    weights and tokens: architecture, shape, RoPE parameters, dtype, attention implementation.
+    Two configurations that compute different KV get different fingerprints."""
+    cfg = model.config.get_text_config(decoder=True)
+    fields = {k: getattr(cfg, k, None) for k in _KV_CONFIG}
+    fields["dtype"] = str(next(model.parameters()).dtype)
+    fields["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
+    text = json.dumps(fields, sort_keys=True, default=repr)
+    return "hf:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def model_identity(model: Any, model_id: str, revision: str = "") -> Identity:
+    """The store ``Identity`` for ``model``: ``model_id``/``revision`` name its weights (the
+    caller's: kvtier cannot tell two checkpoints of one architecture apart), the fingerprint of
+    its configuration is derived here."""
+    return Identity(model_id, revision, model_fingerprint=model_fingerprint(model))
+
+
+def check_identity(model: Any, identity: Identity) -> None:
+    """Raise ``ConfigError`` unless ``identity`` carries ``model``'s own fingerprint (a store
+    built for another configuration, or without one, would share blocks across configs)."""
+    want = model_fingerprint(model)
+    if identity.model_fingerprint != want:
+        got = identity.model_fingerprint or "none"
+        raise ConfigError(
+            f"the store's identity has model fingerprint {got}, this model's is {want}: build "
+            "the store with identity=kvtier.integrations.hf_cache.model_identity(model, "
+            "model_id, revision) so blocks of other model configurations are never served"
+        )
 
 
 def check_layout(model: Any, layout: KVLayout) -> None:

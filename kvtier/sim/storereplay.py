@@ -89,7 +89,9 @@ def replay_store(
     out = np.empty_like(kv)
     hit = 0
     by_tier = dict.fromkeys((t.name for t in tiers), 0)
-    with TieredStore(layout, tiers, policy=policy, workers=1, persist_on_close=False) as st:
+    with TieredStore(
+        layout, tiers, model_id="trace", policy=policy, workers=1, persist_on_close=False
+    ) as st:
         for req in trace.requests:
             tokens = np.repeat(np.asarray(req.blocks, dtype=np.int64), bt)[: req.input_length]
             full = req.input_length // bt * bt

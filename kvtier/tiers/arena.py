@@ -16,7 +16,8 @@ from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
 from kvtier.tiers.base import Array
-from kvtier.tiers.slots import SlotTable, SlotTier
+from kvtier.tiers.memory import require_memory
+from kvtier.tiers.slots import SLOT_TABLE_BYTES, SlotTable, SlotTier
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,12 @@ class ArenaTier(SlotTier):
                 f"{self.name} tier capacity {capacity_bytes} bytes holds no block of "
                 f"{layout.block_bytes} bytes; raise capacity to at least one block"
             )
+        require_memory(f"{self.name} tier capacity", capacity_bytes, self._host_bytes(n))
         self._table = SlotTable(n)
+
+    def _host_bytes(self, n: int) -> int:
+        """Host memory ``n`` slots take (checked before anything is allocated): their table."""
+        return n * SLOT_TABLE_BYTES
 
     @abstractmethod
     def _write(self, slot: int, block: Array) -> None:

@@ -140,6 +140,12 @@ class Tier(ABC):
     def delete(self, keys: Sequence[BlockKey], tenant: str = "") -> None:
         """Drop the keys that are present; absent keys are ignored."""
 
+    def sync(self) -> None:  # noqa: B027 - optional hook
+        """Persistent tiers: make every block ``put`` reported ``True`` survive a power loss,
+        not only a crash of this process (``TieredStore.flush(durable=True)`` calls it). Never
+        raises: a tier that cannot sync is degraded (``healthy`` turns False). Default: nothing
+        to do."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (threads, files, connections). Idempotent."""
 

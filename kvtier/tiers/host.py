@@ -75,6 +75,10 @@ class HostTier(ArenaTier):
         cap = parse_size(spec.get("capacity", "1GiB"), "tiers.host capacity")
         return cls(layout, cap, pin)  # type: ignore[arg-type]
 
+    def _host_bytes(self, n: int) -> int:
+        """The arena and its checksums, beside the slot table."""
+        return super()._host_bytes(n) + n * (self.layout.block_bytes + 8)
+
     def slot_view(self, slot: int) -> Array:
         b = self.block_bytes
         return self._arena[slot * b : (slot + 1) * b]

@@ -109,6 +109,8 @@ class MooncakeTier(RemoteTier):
         rpc_timeout_s: float = 5.0,
         sealer: BlockSealer | None = None,
         quotas: TenantQuotas | None = None,
+        secret: bytes = b"",
+        trust_pool: bool = False,
     ) -> None:
         super().__init__(
             layout,
@@ -116,12 +118,15 @@ class MooncakeTier(RemoteTier):
             cooldown_s=cooldown_s,
             sealer=sealer,
             quotas=quotas,
+            secret=secret,
+            trust_pool=trust_pool,
         )
         if protocol not in ("tcp", "rdma"):
             raise ConfigError(f"mooncake tier protocol must be 'tcp' or 'rdma', got {protocol!r}")
         if replicas < 1:
             raise ConfigError(f"mooncake tier replicas must be >= 1, got {replicas}")
         master_endpoint(master)  # a ConfigError before anything is allocated
+        self.require_authentication()
         self.master = master
         self.replicas = replicas
         self.rpc_timeout_s = rpc_timeout_s
@@ -337,11 +342,11 @@ class MooncakeTier(RemoteTier):
         client: Any,
     ) -> list[bool]:
         st = self._staging
-        fp = self.layout.fingerprint
         n = self.block_bytes
         batch = BatchBuffers(client, self._regs, st, n)
         ok = [True] * len(idx)
-        flats = [None if self.sealer.encrypted else flat_bytes(blocks[i]) for i in idx]
+        sealer = self.sealer
+        flats = [flat_bytes(blocks[i]) if sealer.splits else None for i in idx]
         plain = [f for f in flats if f is not None]
         sums = iter(codec.checksums(plain))  # in the order of ``plain``
         try:
@@ -349,8 +354,10 @@ class MooncakeTier(RemoteTier):
                 key, block = keys[i], blocks[i]
                 flat = flats[j]
                 if flat is not None:  # zero-copy: the payload moves from the caller's buffer
-                    header = batch.in_place(flat, slot)
-                    header[:] = np.frombuffer(codec.pack_header(key, fp, n, next(sums)), np.uint8)
+                    header, trailer = batch.in_place(flat, slot, sealer.trailer_bytes)
+                    head, tail = sealer.frame_parts(key, flat, tenant, next(sums))
+                    header[:] = np.frombuffer(head, np.uint8)
+                    trailer[:] = np.frombuffer(tail, np.uint8)
                     continue
                 value = self.sealer.seal(key, block, tenant)
                 if value is None:
@@ -395,19 +402,20 @@ class MooncakeTier(RemoteTier):
         st = self._staging
         value_bytes = self.value_bytes
         batch = BatchBuffers(client, self._regs, st, self.block_bytes)
+        sealer = self.sealer
         direct: list[Array | None] = []
-        headers: list[Array | None] = []  # where each direct read's header lands
+        frames: list[tuple[Array, Array] | None] = []  # where each direct read's header lands
         for i, slot in zip(idx, slots, strict=True):
             out = outs[i]
             flat = None
-            if not self.sealer.encrypted and out.flags.writeable:
+            if sealer.splits and out.flags.writeable:
                 flat = flat_bytes(out)
             direct.append(flat)
             if flat is not None:
-                headers.append(batch.in_place(flat, slot))
+                frames.append(batch.in_place(flat, slot, sealer.trailer_bytes))
             else:
                 batch.staged(slot, value_bytes)
-                headers.append(None)
+                frames.append(None)
         names = self._names([keys[i] for i in idx], tenant)
         try:
             codes = client.batch_get_into_multi_buffers(names, batch.ptrs, batch.sizes)
@@ -418,16 +426,20 @@ class MooncakeTier(RemoteTier):
         bad: list[str] = []
         # payloads read in place are hashed together (in parallel when the batch is large)
         arrived = {j: d for j, d in enumerate(direct) if d is not None and codes[j] == value_bytes}
-        sums = dict(zip(arrived, codec.checksums(list(arrived.values())), strict=True))
+        if sealer.trailer_bytes:  # the MAC is the pass over the payload
+            sums: dict[int, int | None] = dict.fromkeys(arrived)
+        else:
+            sums = dict(zip(arrived, codec.checksums(list(arrived.values())), strict=True))
         for j, (i, slot, code) in enumerate(zip(idx, slots, codes, strict=True)):
             key = keys[i]
             if code != value_bytes:
                 if foreign_size(client, names[j], code, value_bytes):
+                    self.sealer.reject()  # not a value this deployment writes
                     bad.append(names[j])
                 continue
-            flat, header = direct[j], headers[j]
-            if flat is not None and header is not None:
-                good = self.sealer.verify_plain(key, header, flat, sums[j])
+            flat, frame = direct[j], frames[j]
+            if flat is not None and frame is not None:
+                good = sealer.verify_parts(key, frame[0], flat, frame[1], tenant, sums[j])
             else:
                 good = self.sealer.open_into(key, st.view(slot, value_bytes).data, outs[i], tenant)
             if good:

@@ -127,22 +127,29 @@ class BatchBuffers:
         self._staging = staging
         self._block_bytes = block_bytes
 
-    def in_place(self, flat: Array, slot: int) -> Array:
-        """Lay out one value whose payload is the caller's contiguous ``flat`` and return where
-        its header goes. A framed buffer (``codec.header_room``) is one buffer, header in its
-        room; otherwise the header is in staging slot ``slot`` and the value is two buffers."""
+    def in_place(self, flat: Array, slot: int, trailer: int = 0) -> tuple[Array, Array]:
+        """Lay out one value whose payload is the caller's contiguous ``flat`` and return
+        where its header and its ``trailer`` bytes (a MAC; none when 0) go. A framed buffer
+        (``codec.frame``) is one buffer, header and trailer in its room; otherwise both are in
+        staging slot ``slot`` and the value is two or three buffers."""
         h, n = codec.HEADER_BYTES, self._block_bytes
         ptr = int(flat.ctypes.data)
-        room = codec.header_room(flat)
-        if room is not None:
-            self._regs.for_call(self._client, ptr - h, h + n, self._registered)
+        full = codec.frame(flat)
+        if full is not None:
+            self._regs.for_call(self._client, ptr - h, h + n + trailer, self._registered)
             self.ptrs.append([ptr - h])
-            self.sizes.append([h + n])
-            return room
+            self.sizes.append([h + n + trailer])
+            return full[:h], full[h + n : h + n + trailer]
         self._regs.for_call(self._client, ptr, n, self._registered)
-        self.ptrs.append([self._staging.ptr(slot), ptr])
-        self.sizes.append([h, n])
-        return self._staging.view(slot, h)
+        base = self._staging.ptr(slot)
+        room = self._staging.view(slot, h + trailer)
+        if trailer:
+            self.ptrs.append([base, ptr, base + h])
+            self.sizes.append([h, n, trailer])
+        else:
+            self.ptrs.append([base, ptr])
+            self.sizes.append([h, n])
+        return room[:h], room[h:]
 
     def staged(self, slot: int, nbytes: int) -> None:
         """Lay out one value of ``nbytes`` held in staging slot ``slot``."""

@@ -65,6 +65,7 @@ from kvtier.keys import BlockKey, key_hex
 from kvtier.layout import KVLayout
 from kvtier.tiers import nvme_device
 from kvtier.tiers.base import Array
+from kvtier.tiers.memory import require_memory
 from kvtier.tiers.nvme_device import Device, ODirectMode
 from kvtier.tiers.nvme_index import (
     ALIGN,
@@ -74,12 +75,15 @@ from kvtier.tiers.nvme_index import (
     is_full,
     slot_bytes_for,
 )
-from kvtier.tiers.slots import SlotTable, SlotTier
+from kvtier.tiers.slots import SLOT_TABLE_BYTES, SlotTable, SlotTier
 
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _HB = codec.HEADER_BYTES
+#: memory one slot takes once it holds a block: its ``SlotTable`` slot, its checksum, and its
+#: entry in the persisted index's map (``DirIndex.entries``, measured as the table's is)
+_INDEX_BYTES_PER_SLOT = SLOT_TABLE_BYTES + 8 + 184
 
 
 class _Buf:
@@ -132,11 +136,15 @@ class NVMeTier(SlotTier):
                 f"nvme tier capacity {capacity_bytes} bytes holds {n} slots of {self.slot_bytes} "
                 f"bytes, fewer than the {len(paths)} directories; raise capacity"
             )
+        # the in-memory index must fit, then the directories' space, before anything is taken
+        require_memory("nvme tier capacity", capacity_bytes, n * _INDEX_BYTES_PER_SLOT)
         self._io = io or SlotIO()
         self._fp = layout.fingerprint
         self._closed = False
         nd = len(paths)
         self._devs = [Device(d, Path(p), len(range(d, n, nd))) for d, p in enumerate(paths)]
+        for dev in self._devs:  # before the table below is allocated
+            dev.check_space(self.slot_bytes)
         self._table = SlotTable(n)
         self._checksums = np.zeros(n, dtype=np.uint64)
         nw = max(1, min(workers, staging_bytes // self.slot_bytes))
@@ -350,6 +358,14 @@ class NVMeTier(SlotTier):
         finally:
             for _, slot in pinned:
                 self._table.release(slot)
+
+    def sync(self) -> None:
+        """fdatasync each healthy directory's journal: every put reported True (its bytes were
+        synced before its record was written) then survives a power loss. A directory whose
+        sync fails is marked full or degraded (``_guard``), as for any write."""
+        for dev in self._devs:
+            if not dev.failed and dev.dindex is not None:
+                self._guard(dev, "journal sync", self._index(dev).sync)
 
     def close(self) -> None:
         """Finish in-flight work, snapshot each index, release files and locks. Idempotent."""

@@ -39,7 +39,7 @@ from pathlib import Path
 from kvtier import codec
 from kvtier.errors import ConfigError
 from kvtier.tiers.nvme_device import lock_directory
-from kvtier.tiers.nvme_index import META_FILE, SLOTS_FILE, DirIndex, DirMeta, SlotIO
+from kvtier.tiers.nvme_index import META_FILE, META_VERSION, SLOTS_FILE, DirIndex, DirMeta, SlotIO
 from kvtier.tiers.nvme_recover import rebuild, scan_slots
 
 _HB = codec.HEADER_BYTES
@@ -86,13 +86,17 @@ def check_dir(directory: str | Path, fix: bool = False) -> CheckReport:
     """Verify every slot of ``directory``; with ``fix``, rebuild a damaged index and drop what
     does not verify (never a block an open could serve).
 
-    Raises ``ConfigError`` if the directory is not an NVMe tier directory or cannot be read,
-    and ``TierLockedError`` if a tier holds it. Read-only unless ``fix``.
+    Raises ``ConfigError`` if the directory is not an NVMe tier directory, its ``kvtier.meta``
+    is invalid (``DirMeta.load``: the same reader the tier uses) or it cannot be read, and
+    ``TierLockedError`` if a tier holds it. Read-only unless ``fix``.
     """
     directory = Path(directory)
-    meta = DirMeta.read(directory)
-    if meta is None:
-        raise ConfigError(f"{directory} is not a kvtier NVMe tier directory (no valid {META_FILE})")
+    meta = DirMeta.load(directory)  # the tier's own validating reader
+    if meta.version != META_VERSION:
+        raise ConfigError(
+            f"{directory / META_FILE} is format version {meta.version}; this kvtier checks "
+            f"version {META_VERSION} (use the kvtier that wrote it)"
+        )
     report = CheckReport(str(directory))
     lock_fd = lock_directory(directory)
     try:

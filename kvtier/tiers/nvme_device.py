@@ -183,6 +183,31 @@ class Device:
         if old != meta:  # last: a reopen on a full disk rewrites nothing
             meta.write(self.path)
 
+    def check_space(self, slot_bytes: int) -> None:
+        """Raise ``ConfigError`` if the filesystem the directory is (or would be) on cannot
+        hold its slot file and index: a check before anything is created or allocated (the
+        one in ``open`` is authoritative). Creates nothing; a path it cannot stat is left to
+        ``open`` to report."""
+        probe = self.path
+        while not os.path.lexists(probe) and probe != probe.parent:
+            probe = probe.parent
+        try:
+            st = os.statvfs(probe)
+            have = _size_on_disk(self.path / SLOTS_FILE) if probe == self.path else 0
+        except OSError:
+            return
+        grow = self.n_slots * slot_bytes - have
+        if grow > 0 and grow + index_reserve(self.n_slots) > st.f_bavail * st.f_frsize:
+            raise self._no_room(slot_bytes, st.f_bavail * st.f_frsize, "no space")
+
+    def _no_room(self, slot_bytes: int, free: int, why: str) -> ConfigError:
+        return ConfigError(
+            f"nvme tier directory {self.path} cannot hold its {self.n_slots} slots: they "
+            f"need {self.n_slots * slot_bytes} bytes (plus {index_reserve(self.n_slots)} for "
+            f"the index) but the filesystem has {free} bytes free ({why}); lower tiers.nvme "
+            f"capacity or free space"
+        )
+
     def _allocate(self, fd: int, slot_bytes: int, io: SlotIO) -> None:
         """Preallocate the slot file, refusing up front what the filesystem cannot hold."""
         size = self.n_slots * slot_bytes
@@ -197,12 +222,7 @@ class Device:
             if not is_full(exc):
                 raise
             st = os.statvfs(self.path)
-            raise ConfigError(
-                f"nvme tier directory {self.path} cannot hold its {self.n_slots} slots: they "
-                f"need {size} bytes (plus {index_reserve(self.n_slots)} for the index) but the "
-                f"filesystem has {st.f_bavail * st.f_frsize} bytes free ({exc.strerror}); "
-                f"lower tiers.nvme capacity or free space"
-            ) from None
+            raise self._no_room(slot_bytes, st.f_bavail * st.f_frsize, exc.strerror or "") from None
 
     def abandon(self) -> None:
         """Undo ``open`` (it failed, or another directory of the tier did): close everything
@@ -322,6 +342,14 @@ def _missing(path: Path) -> list[Path]:
         made.append(path)
         path = path.parent
     return made
+
+
+def _size_on_disk(path: Path) -> int:
+    """Bytes allocated to the file at ``path``; 0 if there is none."""
+    try:
+        return os.stat(path).st_blocks * 512
+    except FileNotFoundError:
+        return 0
 
 
 def _size(path: Path) -> int:

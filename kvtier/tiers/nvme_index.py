@@ -45,12 +45,10 @@ the slot count, so 100k blocks reopen in well under a second.
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 import threading
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,13 +61,17 @@ from kvtier.tiers.nvme_io import SlotIO as SlotIO
 from kvtier.tiers.nvme_io import is_full as is_full
 from kvtier.tiers.nvme_io import replace_file, sync_dir
 
-ALIGN = 4096
-META_FILE = "kvtier.meta"
-SLOTS_FILE = "slots.dat"
+# the meta (and the slot geometry it describes) lives in nvme_meta; its names stay importable here
+from kvtier.tiers.nvme_meta import ALIGN as ALIGN
+from kvtier.tiers.nvme_meta import META_FILE as META_FILE
+from kvtier.tiers.nvme_meta import META_VERSION as META_VERSION
+from kvtier.tiers.nvme_meta import SLOTS_FILE as SLOTS_FILE
+from kvtier.tiers.nvme_meta import DirMeta as DirMeta
+from kvtier.tiers.nvme_meta import slot_bytes_for as slot_bytes_for
+
 SNAP_FILE = "index.snap"
 JOURNAL_FILE = "index.log"
 LOCK_FILE = "kvtier.lock"
-META_VERSION = 1
 
 PUT, DEL = 1, 2
 REC_DTYPE = np.dtype(
@@ -104,44 +106,6 @@ def index_reserve(n_slots: int) -> int:
 
 def _journal_limit(n_slots: int) -> int:
     return max(4096, n_slots)
-
-
-def slot_bytes_for(block_bytes: int) -> int:
-    """Bytes one slot occupies on disk: 64-byte header + payload, rounded up to 4096."""
-    return -(-(64 + block_bytes) // ALIGN) * ALIGN
-
-
-@dataclass(frozen=True, slots=True)
-class DirMeta:
-    """What a directory holds; a directory whose meta differs from the tier's is started empty."""
-
-    fingerprint: str  # layout fingerprint, hex
-    block_bytes: int
-    slot_bytes: int
-    n_slots: int
-    version: int = META_VERSION
-
-    def compatible(self, other: DirMeta) -> bool:
-        return (self.fingerprint, self.block_bytes, self.slot_bytes, self.version) == (
-            other.fingerprint,
-            other.block_bytes,
-            other.slot_bytes,
-            other.version,
-        )
-
-    @staticmethod
-    def read(directory: Path) -> DirMeta | None:
-        """The directory's meta, or None if absent or unreadable."""
-        try:
-            raw = json.loads((directory / META_FILE).read_text())
-            return DirMeta(**raw)
-        except (OSError, ValueError, TypeError):
-            return None
-
-    def write(self, directory: Path) -> None:
-        """Replace the meta atomically and durably (temp file + fsync + rename + dir fsync)."""
-        replace_file(directory / META_FILE, json.dumps(asdict(self)).encode(), SlotIO())
-        sync_dir(directory, SlotIO())
 
 
 class DirIndex:
@@ -310,6 +274,15 @@ class DirIndex:
             if self._unsynced_dels:
                 self._io.fdatasync(self._jfd)
                 self._unsynced_dels = 0
+
+    def sync(self) -> None:
+        """Make every record appended so far (and pending DELs) durable: a power loss then
+        keeps them too, not only a crash of the process (their bytes are in the page cache)."""
+        with self._lock:
+            if self._pending:
+                self._append([])
+            self._io.fdatasync(self._jfd)
+            self._unsynced_dels = 0
 
     def compact(self) -> None:
         """Write a snapshot of ``entries`` (new generation) and empty the journal."""

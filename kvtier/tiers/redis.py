@@ -140,9 +140,17 @@ class RedisTier(RemoteTier):
         batch_bytes: int = 256 << 20,
         sealer: BlockSealer | None = None,
         quotas: TenantQuotas | None = None,
+        secret: bytes = b"",
+        trust_pool: bool = False,
     ) -> None:
         super().__init__(
-            layout, breaker_name="redis tier", cooldown_s=cooldown_s, sealer=sealer, quotas=quotas
+            layout,
+            breaker_name="redis tier",
+            cooldown_s=cooldown_s,
+            sealer=sealer,
+            quotas=quotas,
+            secret=secret,
+            trust_pool=trust_pool,
         )
         if hash_tag not in ("tenant", "block"):
             raise ConfigError(f"redis tier: hash_tag must be 'tenant' or 'block', got {hash_tag!r}")
@@ -156,6 +164,7 @@ class RedisTier(RemoteTier):
         self.prefix = prefix
         self.hash_tag = hash_tag
         self.ttl_s = ttl_s
+        self.require_authentication()
         self._batch = max(1, batch_bytes // self.sealer.value_bytes)
         self._client: redis.Redis | redis.cluster.RedisCluster | None = None
         self._script: Any = None
@@ -348,7 +357,7 @@ class RedisTier(RemoteTier):
                     continue
                 ok = self.sealer.open_into(keys[i], value, outs[i], tenant)
                 result[i] = ok
-                if not ok and self.sealer.droppable(value):
+                if not ok and self.sealer.droppable(keys[i], value):
                     log.warning("redis tier: block %s failed verification: dropped", name)
                     bad.append(name)
         if bad:

@@ -26,8 +26,11 @@ TIER_KINDS: dict[str, str] = {
 }
 
 
-def make_tier(layout: KVLayout, spec: Mapping[str, Any]) -> Tier:
-    """Build a tier from one ``[[tiers]]`` table (``{"kind": "host", "capacity": "8GiB"}``)."""
+def make_tier(layout: KVLayout, spec: Mapping[str, Any], secret: bytes = b"") -> Tier:
+    """Build a tier from one ``[[tiers]]`` table (``{"kind": "host", "capacity": "8GiB"}``).
+
+    A shared tier whose table sets no ``secret`` of its own gets ``secret`` (the store's
+    deployment secret) to authenticate its blocks with."""
     kind = str(spec.get("kind", ""))
     try:
         target = TIER_KINDS[kind]
@@ -44,16 +47,20 @@ def make_tier(layout: KVLayout, spec: Mapping[str, Any]) -> Tier:
         ) from None
     cls = getattr(module, cls_name)
     rest = {k: v for k, v in spec.items() if k != "kind"}
+    if secret and getattr(cls, "shared", False) and "secret" not in rest:
+        rest["secret"] = secret
     tier: Tier = cls.from_config(layout, rest)
     return tier
 
 
-def make_tiers(layout: KVLayout, specs: Sequence[Mapping[str, Any]]) -> list[Tier]:
+def make_tiers(
+    layout: KVLayout, specs: Sequence[Mapping[str, Any]], secret: bytes = b""
+) -> list[Tier]:
     """Build every tier of a config, in order; on a failure, close those already built."""
     tiers: list[Tier] = []
     try:
         for spec in specs:
-            tiers.append(make_tier(layout, spec))
+            tiers.append(make_tier(layout, spec, secret))
     except BaseException:
         for t in tiers:
             t.close()

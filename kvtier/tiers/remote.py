@@ -3,7 +3,9 @@
 The Redis, Mooncake Store and S3 tiers differ in how they move bytes; around that they do the
 same things, gathered here once:
 
-- **Sealing.** Every value is one ``BlockSealer`` frame (header + payload, or AES-GCM per tenant).
+- **Sealing.** Every value is one ``BlockSealer`` frame: header + payload + a MAC keyed with the
+  deployment secret, or AES-GCM per tenant. A tier whose blocks would be read unauthenticated
+  refuses to start (``ConfigError``) unless it is told ``trust_pool``.
 - **Quotas.** ``reserve``/``refund`` charge whole blocks to a tenant's ``TenantQuotas`` budget
   (a no-op while no quota is configured); ``seal_charged`` is "reserve, then seal, refunding if
   the tenant has no key".
@@ -28,11 +30,18 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvtier.config import check_keys
+from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
 from kvtier.tiers.base import Array, Tier
 from kvtier.tiers.breaker import CircuitBreaker
-from kvtier.tiers.secure import SECURITY_KEYS, BlockSealer, TenantQuotas, security_from_config
+from kvtier.tiers.secure import (
+    SECURITY_KEYS,
+    BlockSealer,
+    TenantQuotas,
+    require_authentication,
+    security_from_config,
+)
 
 T = TypeVar("T")
 
@@ -53,11 +62,27 @@ class RemoteTier(Tier):
         cooldown_s: float,
         sealer: BlockSealer | None = None,
         quotas: TenantQuotas | None = None,
+        secret: bytes = b"",
+        trust_pool: bool = False,
     ) -> None:
+        """``sealer`` frames values; without one, ``secret`` (the deployment secret, the same on
+        every node) authenticates them with a MAC, or ``trust_pool`` accepts them plain.
+        ``ConfigError`` when nothing would authenticate the blocks read."""
         super().__init__(layout)
-        self.sealer = sealer or BlockSealer(layout)
+        if sealer is None:
+            sealer = BlockSealer(layout, secret=secret, trusted=trust_pool)
+        elif secret or trust_pool:
+            raise ConfigError(f"{breaker_name}: give a sealer or secret/trust_pool, not both")
+        self.sealer = sealer
+        self._tier_label = breaker_name
         self.quotas = quotas or TenantQuotas(name=self.name)
         self.breaker = CircuitBreaker(breaker_name, cooldown_s)
+
+    def require_authentication(self) -> None:
+        """``ConfigError`` unless the blocks read will be authenticated, or the pool is
+        trusted. Each tier calls it once its own arguments are checked (so a bad argument is
+        named first) and before it connects."""
+        require_authentication(self.sealer, self._tier_label)
 
     @staticmethod
     def security_section(

@@ -61,6 +61,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from functools import partial
 from typing import Any, TypeVar
 
+import numpy as np
 from botocore.exceptions import BotoCoreError, ClientError
 
 from kvtier import codec
@@ -116,9 +117,17 @@ class S3Tier(RemoteTier):
         cooldown_s: float = 10.0,
         sealer: BlockSealer | None = None,
         quotas: TenantQuotas | None = None,
+        secret: bytes = b"",
+        trust_pool: bool = False,
     ) -> None:
         super().__init__(
-            layout, breaker_name="s3 tier", cooldown_s=cooldown_s, sealer=sealer, quotas=quotas
+            layout,
+            breaker_name="s3 tier",
+            cooldown_s=cooldown_s,
+            sealer=sealer,
+            quotas=quotas,
+            secret=secret,
+            trust_pool=trust_pool,
         )
         prefix = prefix.strip("/")
         if not prefix:
@@ -127,6 +136,7 @@ class S3Tier(RemoteTier):
             raise ConfigError(f"s3 tier: ttl_days must be >= 0, got {ttl_days}")
         if multipart_chunk < 5 << 20:
             raise ConfigError("s3 tier: multipart_chunk must be at least 5MiB (an S3 limit)")
+        self.require_authentication()
         self.options = options
         self.prefix = prefix
         self.create_bucket = create_bucket
@@ -336,9 +346,10 @@ class S3Tier(RemoteTier):
         """GET object ``name`` and verify it as block ``key`` into ``out``; ``False`` for a miss
         (absent, or not this block -- then deleted if ``droppable``). Raises on server errors.
 
-        A plain block of the expected length into a contiguous ``out`` is read zero-copy: the
-        header into a small buffer, the payload from the socket straight into ``out``, then one
-        checksum pass over it. Anything else is read whole and opened by the sealer.
+        A plain or MAC'd block of the expected length into a contiguous ``out`` is read
+        zero-copy: the header (and MAC trailer) into small buffers, the payload from the socket
+        straight into ``out``, then one checksum or MAC pass over it. Anything else is read whole
+        and opened by the sealer.
         """
         try:
             resp = client.get_object(Bucket=self.options.bucket, Key=name)
@@ -347,25 +358,30 @@ class S3Tier(RemoteTier):
                 return False
             raise
         body = resp["Body"]
-        flat = None if self.sealer.encrypted or not out.flags.writeable else flat_bytes(out)
+        sealer = self.sealer
+        flat = flat_bytes(out) if sealer.splits and out.flags.writeable else None
         stream = http_stream(body) if resp.get("ContentLength") == self.value_bytes else None
         value: bytes | bytearray
         if flat is not None and stream is not None:
             value = bytearray(codec.HEADER_BYTES)
+            trailer = bytearray(sealer.trailer_bytes)
             try:
                 read_exact(stream, memoryview(value))
                 read_exact(stream, memoryview(flat.data))
+                read_exact(stream, memoryview(trailer))
             except BaseException:
                 body.close()
                 raise
             body._raw_stream.release_conn()  # fully read: the connection goes back to the pool
-            if self.sealer.verify_plain(key, memoryview(value), flat):
+            head, tail = np.frombuffer(value, np.uint8), np.frombuffer(trailer, np.uint8)
+            if sealer.verify_parts(key, head, flat, tail, tenant):
                 return True
+            value = value + bytes(flat.data) + trailer  # for ``droppable``
         else:
             value = body.read()
             if self.sealer.open_into(key, value, out, tenant):
                 return True
-        if self.sealer.droppable(value):
+        if self.sealer.droppable(key, value):
             log.warning("s3 tier: object %s failed verification: deleted", name)
             client.delete_object(Bucket=self.options.bucket, Key=name)
         return False

@@ -3,8 +3,18 @@
 Every remote tier (Redis/Valkey, Mooncake Store, S3) stores a block as ONE value made by
 ``BlockSealer.seal`` and read back with ``BlockSealer.open_into``:
 
-- plain:      ``header(64) | payload``                      (header checksum = xxh3 of payload)
-- encrypted:  ``header(64) | nonce(12) | ciphertext | tag(16)``   (header flag ``FLAG_ENCRYPTED``)
+- authenticated: ``header(64) | payload | nonce(12) | tag(16)``  (header flag ``FLAG_MAC``)
+- encrypted:     ``header(64) | nonce(12) | ciphertext | tag(16)``  (flag ``FLAG_ENCRYPTED``)
+- plain:         ``header(64) | payload``   (header checksum = xxh3 of payload; trusted pools only)
+
+A block read from outside the process is accepted only if it is authenticated, because an xxh3
+checksum is no MAC: anyone who can write to the pool could plant KV under a key computed from
+public token ids. With a deployment ``secret`` (and no encryption) the tag is AES-GMAC -- GCM
+with no plaintext -- over ``header || payload || tenant`` under a key derived from the secret
+with HKDF-SHA256, and a fresh random nonce per value. GMAC runs at GHASH speed (carry-less
+multiply), faster than a memcpy, where HMAC-SHA256 or keyed BLAKE2b run at 1 GB/s or less.
+A sealer with neither a secret nor encryption keys seals plain blocks and ``authenticated`` is
+False: a shared tier refuses to start with one unless its config says ``trust_pool = true``.
 
 The header comes first so a reader sees a whole block or nothing (the value is written in one
 atomic operation by the tier) and can reject a foreign or wrong-key block before touching the
@@ -28,6 +38,7 @@ is counted per tenant, logged, and the ``put`` reports ``False`` for that block.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import os
 import re
@@ -38,11 +49,12 @@ from typing import Any
 import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from kvtier import codec
-from kvtier.config import parse_size
+from kvtier.config import parse_bool, parse_size
 from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
@@ -53,7 +65,11 @@ log = logging.getLogger(__name__)
 NONCE_BYTES = 12
 TAG_BYTES = 16
 #: config keys understood by ``security_from_config`` (tiers add them to their allowed set)
-SECURITY_KEYS = frozenset({"encryption_key", "tenant_keys", "quota", "tenant_quotas"})
+SECURITY_KEYS = frozenset(
+    {"encryption_key", "tenant_keys", "quota", "tenant_quotas", "secret", "trust_pool"}
+)
+MAC_TRAILER = NONCE_BYTES + TAG_BYTES
+assert MAC_TRAILER <= codec.TRAILER_BYTES
 _SAFE_TENANT = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
@@ -88,8 +104,16 @@ def parse_key(value: Any, what: str) -> bytes:
     return raw
 
 
+def mac_key(secret: bytes) -> bytes:
+    """The AES-256 key of block MACs, derived from the deployment secret (HKDF-SHA256)."""
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=b"kvtier-block-mac-v1", info=b"").derive(
+        secret
+    )
+
+
 class BlockSealer:
-    """Frames blocks as single values, encrypting per tenant when keys are configured.
+    """Frames blocks as single values: authenticated (a ``secret``), encrypted per tenant
+    (keys), or plain (``trusted``: the operator vouches for everyone who can write the pool).
 
     Thread-safe (AESGCM objects are stateless; the per-tenant cache is guarded).
     """
@@ -99,6 +123,9 @@ class BlockSealer:
         layout: KVLayout,
         master_key: bytes = b"",
         tenant_keys: Mapping[str, bytes] | None = None,
+        *,
+        secret: bytes = b"",
+        trusted: bool = False,
     ) -> None:
         self.layout = layout
         self.block_bytes = layout.block_bytes
@@ -110,6 +137,12 @@ class BlockSealer:
                 raise ConfigError(f"tenant_keys[{t!r}]: AES key must be 16, 24 or 32 bytes")
         self._aeads: dict[str, AESGCM | None] = {}
         self._lock = threading.Lock()
+        self._mac = (
+            algorithms.AES(mac_key(bytes(secret))) if secret and not self.encrypted else None
+        )
+        self.trusted = bool(trusted)
+        #: values that failed verification (foreign, torn, tampered, unauthenticated)
+        self.rejected = 0
 
     @property
     def encrypted(self) -> bool:
@@ -117,10 +150,98 @@ class BlockSealer:
         return bool(self._master or self._tenant_keys)
 
     @property
+    def authenticated(self) -> bool:
+        """True when every block read is authenticated (encrypted, or MAC'd with a secret)."""
+        return self.encrypted or self._mac is not None
+
+    @property
+    def in_place(self) -> bool:
+        """True when a value is just ``header | payload`` (plain): a tier may then read or
+        write the payload straight in the caller's buffer and verify it with
+        ``verify_plain``."""
+        return not self.authenticated
+
+    @property
+    def splits(self) -> bool:
+        """True when a value is ``header | payload [| MAC trailer]`` with the payload as it is
+        (plain or MAC'd, not encrypted): a tier may then move the payload straight from or into
+        the caller's buffer, framing it with ``frame_parts`` and checking it with
+        ``verify_parts``."""
+        return not self.encrypted
+
+    @property
+    def trailer_bytes(self) -> int:
+        """Bytes after the payload in a split value (the MAC's nonce and tag; 0 when plain)."""
+        return MAC_TRAILER if self._mac is not None else 0
+
+    def frame_parts(
+        self, key: BlockKey, payload: Array, tenant: str, checksum: int
+    ) -> tuple[bytes, bytes]:
+        """The header and trailer of a split value around ``payload`` (contiguous, its xxh3
+        ``checksum`` computed by the caller). Only for a sealer that ``splits``."""
+        assert self.splits
+        mac = self._mac is not None
+        flags = codec.FLAG_MAC if mac else 0
+        header = codec.pack_header(key, self._fp, self.block_bytes, checksum, flags)
+        if not mac:
+            return header, b""
+        nonce = os.urandom(NONCE_BYTES)
+        return header, nonce + self._tag(nonce, header, payload.data, tenant)
+
+    def verify_parts(
+        self,
+        key: BlockKey,
+        header: Array,
+        payload: Array,
+        trailer: Array,
+        tenant: str,
+        payload_checksum: int | None = None,
+    ) -> bool:
+        """Whether a split value read in place (``header``, ``payload`` in the caller's buffer,
+        ``trailer``) is block ``key`` of ``tenant``: ``verify_plain`` for a plain sealer, the
+        MAC for an authenticating one (``payload_checksum`` is then not needed). Counts what it
+        rejects."""
+        if self._mac is None:
+            return self.verify_plain(key, header, payload, payload_checksum)
+        hdr = codec.unpack_header(header)
+        ok = (
+            codec.header_matches(hdr, key, self._fp, self.block_bytes)
+            and hdr is not None
+            and hdr.flags == codec.FLAG_MAC
+            and trailer.nbytes == MAC_TRAILER
+        )
+        if ok:
+            raw = trailer.tobytes()
+            tag = self._tag(raw[:NONCE_BYTES], header.data, payload.data, tenant)
+            ok = hmac.compare_digest(tag, raw[NONCE_BYTES:])
+        if not ok:
+            self.reject()
+        return ok
+
+    @property
+    def mode(self) -> str:
+        """``"aes-gcm"``, ``"mac"`` or ``"trusted-unauthenticated"`` (``"none"`` unconfigured)."""
+        if self.encrypted:
+            return "aes-gcm"
+        if self._mac is not None:
+            return "mac"
+        return "trusted-unauthenticated" if self.trusted else "none"
+
+    @property
     def value_bytes(self) -> int:
         """Size of one sealed value."""
-        extra = NONCE_BYTES + TAG_BYTES if self.encrypted else 0
+        extra = NONCE_BYTES + TAG_BYTES if self.authenticated else 0
         return codec.HEADER_BYTES + extra + self.block_bytes
+
+    def _tag(self, nonce: bytes | memoryview, header: Any, payload: Any, tenant: str) -> bytes:
+        """AES-GMAC of ``header || payload || tenant`` (no copy of the payload)."""
+        assert self._mac is not None
+        enc = Cipher(self._mac, modes.GCM(bytes(nonce))).encryptor()
+        enc.authenticate_additional_data(header)
+        enc.authenticate_additional_data(payload)
+        enc.authenticate_additional_data(tenant.encode())
+        enc.finalize()
+        return bytes(enc.tag)
 
     def _aead(self, tenant: str) -> AESGCM | None:
         with self._lock:
@@ -141,8 +262,9 @@ class BlockSealer:
     def seal(self, key: BlockKey, block: Array, tenant: str) -> memoryview | None:
         """One value holding ``block`` (any shape/strides, ``block_bytes`` bytes) for ``key``.
 
-        A framed plain block (``codec.framed_empty``) gets its header written into its room and
-        is returned as is, without a copy: the value is valid while the caller's buffer is.
+        A framed block (``codec.framed_empty``) gets its header (and MAC trailer) written into
+        its room and is returned as is, without a copy: the value is valid while the caller's
+        buffer is.
 
         ``None`` when encryption is configured but this tenant has no key (logged; the tier
         reports the put as ``False``).
@@ -150,16 +272,26 @@ class BlockSealer:
         n = self.block_bytes
         h = codec.HEADER_BYTES
         if not self.encrypted:
+            mac = self._mac is not None
             flat = block.reshape(-1).view(np.uint8) if block.flags.c_contiguous else None
-            room = codec.header_room(flat) if flat is not None else None
-            if flat is not None and room is not None:  # framed: header into its room, no copy
+            full = codec.frame(flat) if flat is not None else None
+            if flat is not None and full is not None:  # framed: header into its room, no copy
+                value = full[: h + n + (MAC_TRAILER if mac else 0)]
+                payload: Array = flat
                 csum = codec.checksum(flat)
-                room[:] = np.frombuffer(codec.pack_header(key, self._fp, n, csum), np.uint8)
-                return np.asarray(room.base).data
-            buf = bytearray(h + n)
-            csum = codec.copy_in(np.frombuffer(buf, np.uint8, n, h), block)
-            buf[:h] = codec.pack_header(key, self._fp, n, csum)
-            return memoryview(buf)
+            else:
+                value = np.empty(h + n + (MAC_TRAILER if mac else 0), np.uint8)
+                payload = value[h : h + n]
+                csum = codec.copy_in(payload, block)
+            flags = codec.FLAG_MAC if mac else 0
+            header = codec.pack_header(key, self._fp, n, csum, flags)
+            value[:h] = np.frombuffer(header, np.uint8)
+            if mac:
+                nonce = os.urandom(NONCE_BYTES)
+                value[h + n : h + n + NONCE_BYTES] = np.frombuffer(nonce, np.uint8)
+                tag = self._tag(nonce, header, payload.data, tenant)
+                value[h + n + NONCE_BYTES :] = np.frombuffer(tag, np.uint8)
+            return value.data
         aead = self._aead(tenant)
         if aead is None:
             log.warning("no encryption key for tenant %r: block not stored", tenant)
@@ -188,39 +320,63 @@ class BlockSealer:
         e.g. a batch with ``codec.checksums``). Always ``False`` for an encrypting sealer (a
         plaintext block is then a miss). The zero-copy read path of tiers that can split a value.
         """
-        if self.encrypted:
+        if self.authenticated:
             return False
         hdr = codec.unpack_header(header)
         if not codec.header_matches(hdr, key, self._fp, self.block_bytes):
+            self.reject()
             return False
         assert hdr is not None
         if payload_checksum is None:
             payload_checksum = codec.checksum(payload)
-        return not hdr.flags and payload_checksum == hdr.checksum
+        ok = not hdr.flags and payload_checksum == hdr.checksum
+        if not ok:
+            self.reject()
+        return ok
 
-    def droppable(self, value: bytes | bytearray | memoryview) -> bool:
-        """May a tier delete ``value`` after ``open_into`` rejected it?
+    def droppable(self, key: BlockKey, value: bytes | bytearray | memoryview) -> bool:
+        """May a tier delete ``value``, read for block ``key``, after ``open_into`` rejected it?
 
-        Yes for garbage and for plaintext blocks failing their checksum (corruption). No for
-        encrypted blocks failing authentication: GCM cannot tell tampering from a reader holding
-        another key (a misconfigured node), and such a node must not wipe the pool; the block
-        stays a miss until it expires or is evicted. No for a plaintext block read by an
-        encrypting sealer, for the same reason.
+        Yes for garbage, for a value whose header names another block (copied, or of another
+        layout: no node writes one under this name), and for blocks whose payload fails its
+        checksum (torn or corrupt: the
+        header's xxh3 is kept in MAC'd blocks for this). No for a block that is intact but
+        fails authentication: a MAC or GCM tag cannot tell tampering from a reader holding
+        another secret (a misconfigured node), and such a node must not wipe the pool; the
+        block stays a miss until it expires or is evicted. No for a plaintext block read by an
+        authenticating sealer, for the same reason.
         """
         mv = memoryview(value)
-        hdr = (
-            codec.unpack_header(mv[: codec.HEADER_BYTES]) if len(mv) >= codec.HEADER_BYTES else None
-        )
-        return hdr is None or not (self.encrypted or hdr.flags & codec.FLAG_ENCRYPTED)
+        h, n = codec.HEADER_BYTES, self.block_bytes
+        hdr = codec.unpack_header(mv[:h]) if len(mv) >= h else None
+        if hdr is None or not codec.header_matches(hdr, key, self._fp, n):
+            return True
+        if hdr.flags == codec.FLAG_MAC and len(mv) == h + n + MAC_TRAILER:
+            return codec.checksum(mv[h : h + n]) != hdr.checksum
+        return not (self.authenticated or hdr.flags)
 
     def open_into(
         self, key: BlockKey, value: bytes | bytearray | memoryview, out: Array, tenant: str
     ) -> bool:
         """Verify ``value`` as block ``key`` of ``tenant`` and copy its payload into ``out``.
 
-        ``False`` (a miss; ``out`` then holds unspecified bytes) for a foreign, torn, tampered,
-        wrong-tenant or wrong-key value. Never raises for bad data.
+        ``False`` (a miss, counted in ``rejected``; ``out`` then holds unspecified bytes) for a
+        foreign, torn, tampered, unauthenticated, wrong-tenant or wrong-key value. Never raises
+        for bad data.
         """
+        ok = self._open_into(key, value, out, tenant)
+        if not ok:
+            self.reject()
+        return ok
+
+    def reject(self) -> None:
+        """Count one value that failed verification (a tier that rejects one itself)."""
+        with self._lock:
+            self.rejected += 1
+
+    def _open_into(
+        self, key: BlockKey, value: bytes | bytearray | memoryview, out: Array, tenant: str
+    ) -> bool:
         mv = memoryview(value)
         h = codec.HEADER_BYTES
         n = self.block_bytes
@@ -228,8 +384,18 @@ class BlockSealer:
         if not codec.header_matches(hdr, key, self._fp, n):
             return False
         assert hdr is not None
+        if hdr.flags == codec.FLAG_MAC:
+            if self._mac is None or len(mv) != h + n + MAC_TRAILER:
+                return False
+            nonce = mv[h + n : h + n + NONCE_BYTES]
+            tag = self._tag(nonce, mv[:h], mv[h : h + n], tenant)
+            if not hmac.compare_digest(tag, mv[h + n + NONCE_BYTES :]):
+                log.warning("block %s of tenant %r failed its MAC: miss", key[:8].hex(), tenant)
+                return False
+            codec.copy_out(out, np.frombuffer(mv, np.uint8, n, h))
+            return True
         if not hdr.flags & codec.FLAG_ENCRYPTED:
-            if self.encrypted or len(mv) != h + n:
+            if self.authenticated or hdr.flags or len(mv) != h + n:
                 return False
             return codec.copy_out(out, np.frombuffer(mv, np.uint8, n, h)) == hdr.checksum
         aead = self._aead(tenant) if self.encrypted else None
@@ -309,11 +475,39 @@ class TenantQuotas:
             return dict(self._refused)
 
 
+def parse_secret(value: Any, what: str) -> bytes:
+    """A deployment secret from config: a non-empty string or bytes (``None``: none)."""
+    if value is None:
+        return b""
+    if isinstance(value, str | bytes) and value:
+        return value.encode() if isinstance(value, str) else value
+    raise ConfigError(f"{what}: expected a non-empty string, got {type(value).__name__}")
+
+
+def require_authentication(sealer: BlockSealer, tier: str) -> None:
+    """Refuse a shared tier whose blocks would be accepted unauthenticated, unless trusted.
+
+    A trusted pool is logged at every start (and ``stats()`` shows its ``auth`` mode)."""
+    if sealer.authenticated:
+        return
+    if not sealer.trusted:
+        raise ConfigError(
+            f"{tier}: blocks read from a shared pool must be authenticated, or anyone who can "
+            "write to the pool can plant KV that this engine would serve; set a deployment "
+            "secret ([store] secret = '...' or the tier's secret, the same on every node) or "
+            "encryption (encryption_key), or, if every writer of the pool is trusted, say so "
+            "with trust_pool = true"
+        )
+    log.warning("%s: trust_pool is set: blocks from the pool are NOT authenticated", tier)
+
+
 def security_from_config(
     layout: KVLayout, spec: Mapping[str, Any], section: str
 ) -> tuple[BlockSealer, TenantQuotas]:
     """Build the sealer and quotas from the ``SECURITY_KEYS`` of a tier's config table.
 
+    ``secret`` (the deployment secret that keys block MACs; the store passes its own to
+    tiers built from its config), ``trust_pool`` (accept unauthenticated blocks),
     ``encryption_key`` (hex master key), ``tenant_keys`` ({tenant: hex AES key}), ``quota``
     (size per tenant, e.g. "10GiB"; 0 = none), ``tenant_quotas`` ({tenant: size}).
     """
@@ -325,6 +519,8 @@ def security_from_config(
         layout,
         parse_key(master, f"[{section}] encryption_key") if master else b"",
         {str(t): parse_key(k, f"[{section}] tenant_keys.{t}") for t, k in tkeys.items()},
+        secret=parse_secret(spec.get("secret"), f"[{section}] secret"),
+        trusted=parse_bool(spec.get("trust_pool", False), f"[{section}] trust_pool"),
     )
     tq = spec.get("tenant_quotas") or {}
     if not isinstance(tq, Mapping):
@@ -341,7 +537,10 @@ __all__ = [
     "SECURITY_KEYS",
     "BlockSealer",
     "TenantQuotas",
+    "mac_key",
     "parse_key",
+    "parse_secret",
+    "require_authentication",
     "security_from_config",
     "tenant_token",
 ]

@@ -17,6 +17,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import Tier, TierUsage
 
+#: memory one slot of a ``SlotTable`` takes once it holds a key (free-list int, reader count,
+#: key -> slot entry and the 32-byte key object), rounded up from a tracemalloc measurement
+SLOT_TABLE_BYTES = 160
+
 
 class SlotTable:
     """Key -> slot map with a free list, reader pins and deferred frees."""
