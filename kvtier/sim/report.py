@@ -19,17 +19,17 @@ from kvtier.sim.replay import ReplayResult
 from kvtier.sim.trace import Trace
 
 HIT_DEFINITION = (
-    "cached tokens = the leading run of a request's blocks present before it is served; each hit "
-    "block counts block_tokens tokens except the request's last block (input_length - "
-    "block_tokens*(n-1)); after serving all its blocks are inserted; token_hit_ratio = sum cached "
-    "tokens / sum input tokens"
+    "cached tokens = block_tokens x the leading run of a request's full blocks some tier holds "
+    "before it is served (the store's lookup; a partial block is never cached); then its full "
+    "blocks are stored as a TieredStore stores them (inclusive tiers); token_hit_ratio = sum "
+    "cached tokens / sum input tokens"
 )
 
 
 #: what the simulated engine tells the store about each request (``replay(hints=True)``)
 REUSE_HINTS = (
     "output length (25-token buckets) and whether the request extended a cached prefix, "
-    "given at store time (blocks stored when the request ends)"
+    "given at store time (the registry's policies ignore it)"
 )
 
 
