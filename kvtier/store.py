@@ -38,6 +38,7 @@ from kvtier.errors import ConfigError, LayoutError
 from kvtier.keys import BlockKey, Namespace, TokenIds, iter_keys
 from kvtier.kvarray import host_array
 from kvtier.lease import Lease
+from kvtier.moves import split_moves
 from kvtier.readpath import ReadPath
 from kvtier.store_core import log
 from kvtier.tiers.base import Array
@@ -263,7 +264,8 @@ class TieredStore(ReadPath):
             through = self._decider.plan_write_through(
                 [k for k, g in zip(new_keys, ok, strict=True) if g], owner
             )
-        self._submit("write-through", through)
+        for part in split_moves(through, self._engine.workers):  # on every worker at once
+            self._submit("write-through", part)
         return written
 
     # -- prefetch / pin --------------------------------------------------------------------
