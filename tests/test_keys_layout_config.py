@@ -154,6 +154,11 @@ def test_config_policy_default_is_the_constructors() -> None:
     assert inspect.signature(TieredStore).parameters["policy"].default == DEFAULT_POLICY
 
 
+def test_config_naming_a_removed_policy_says_what_to_use() -> None:
+    with pytest.raises(ConfigError, match=r"policy 'density' was removed; use 'auto'"):
+        StoreConfig.from_dict(cfg(policy="density"), env={})
+
+
 def test_config_reads_env_strings_as_numbers_and_secrets() -> None:
     env = {"KVTIER_WORKERS": "4", "KVTIER_METRICS_PORT": "0", "KVTIER_SECRET": "s3cret"}
     c = StoreConfig.from_dict(cfg(share_groups={"a": "g"}), env=env)

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.errors import ConfigError
 from kvtier.policy import DEFAULT_POLICY, POLICIES, EvictionPolicy, make_policy
 from kvtier.policy.base import always
 from kvtier.policy.duel import Auto
@@ -217,3 +218,9 @@ def test_auto_follows_the_ranking_the_traffic_favours(
     }
     assert max(hit, key=lambda p: hit[p] if p != "auto" else -1) == winner
     assert hit["auto"] >= 0.99 * max(hit["lru"], hit["s3fifo"]), hit
+
+
+@pytest.mark.parametrize("name", ["density", "Density-Always"])
+def test_a_removed_policy_says_what_to_use(name: str) -> None:
+    with pytest.raises(ConfigError, match=r"was removed.*'auto'"):
+        make_policy(name, 8)
