@@ -176,11 +176,10 @@ class TieredStore(ReadPath):
         (logged), as one that reports failure. When the first tier is pinned full, the leading
         blocks that fit are stored.
 
-        ``reuse_class`` labels the request for learned admission (``kvtier.policy.admission``):
-        any hashable that tells kinds of requests apart, e.g. ``output_class(generated_tokens,
-        cached_tokens > 0)`` when storing at the end of a request (the simulator's label). The
-        default policy learns how often each class's blocks come back and keeps or drops new
-        blocks accordingly; a class without signal changes nothing. ``None``: unlabelled.
+        ``reuse_class`` is a hint for the first tier's policy (``kvtier.policy.hints``): any
+        hashable that tells kinds of requests apart, e.g. ``output_class(generated_tokens,
+        cached_tokens > 0)``. The registry's policies (the default included) ignore it, so it
+        never changes what is kept; ``None``: unlabelled.
         """
         self._check_open()
         reuse_class = checked_reuse_class(reuse_class)
