@@ -9,7 +9,7 @@ Example (``kvtier.toml``)::
     dtype = "bf16"
     block_tokens = 256
     tenant = "default"
-    policy = "density"          # the default; or "density-always", "s3fifo", "lru"
+    policy = "auto"             # the default; or "s3fifo", "lru"
     workers = 2
     metrics_port = 0            # >0 serves Prometheus metrics on 127.0.0.1:<port>
 
@@ -27,8 +27,8 @@ Environment overrides: ``KVTIER_<KEY>`` sets ``store.<key>`` (``KVTIER_POLICY=lr
 Env values are text: numbers are read as numbers, booleans as 1/0, true/false, yes/no, on/off.
 ``KVTIER_`` belongs to kvtier: an unknown ``KVTIER_<KEY>`` is an error, as is an unknown key, a
 value of the wrong type or out of range; the ``ConfigError`` names the key, the bad value and the
-env var or file it came from. ``KVTIER_PURE`` is no store key: it selects the pure-Python build of
-the policies at import (``kvtier/_native.py``), and the config ignores it.
+env var or file it came from. ``KVTIER_PURE`` is no store key: it chose between the pure and a
+compiled build of the policies, which no longer exists, and the config ignores it.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from typing import Any
 from kvtier.errors import ConfigError
 from kvtier.identity import Identity, check_share_groups
 from kvtier.layout import DEFAULT_BLOCK_TOKENS, KVLayout, canonical_dtype, preset
-from kvtier.policy import DEFAULT_POLICY, POLICIES
+from kvtier.policy import DEFAULT_POLICY, POLICIES, REMOVED
 
 # decimal (k, kb = 10**3, m, mb, ...) and binary (kib = 2**10, mib, ...) units, any case
 _UNITS = {"": 1, "b": 1} | {
@@ -173,7 +173,7 @@ class StoreConfig:
             raise ConfigError(
                 f"a config is a table of [store] and [[tiers]], got {type(raw).__name__}"
             )
-        check_keys("top level", raw, {"store", "tiers"})
+        check_keys("top level", raw, {"store", "tiers", "service"})  # [service]: kvtier.service
         store, tiers = raw.get("store", {}), raw.get("tiers", [])
         if not isinstance(store, Mapping):
             raise ConfigError(f"[store] must be a table (key = value lines), got {store!r}")
@@ -196,6 +196,10 @@ class StoreConfig:
                     f'[[tiers]] #{i} needs kind = "host" (a string), got {t.get("kind")!r}'
                 )
         policy = s.text("policy", DEFAULT_POLICY)
+        if policy.lower() in REMOVED:
+            raise ConfigError(
+                f"{s.what('policy')}: policy {policy!r} was removed; use {REMOVED[policy.lower()]}"
+            )
         if policy.lower() not in POLICIES:
             raise ConfigError(
                 f"{s.what('policy')}: unknown policy {policy!r}; choose {', '.join(POLICIES)}"
@@ -317,7 +321,7 @@ def _layout_from(s: _Section) -> KVLayout:
     return KVLayout(layers, heads, dim, dtype, s.integer("kv_factor", 2, 1, 2), block_tokens)
 
 
-#: ``KVTIER_*`` variables read elsewhere (``kvtier._native``), not store keys
+#: ``KVTIER_*`` variables that are no store keys (``KVTIER_PURE`` chose a build that is gone)
 _NOT_CONFIG = frozenset({"KVTIER_PURE"})
 
 

@@ -15,13 +15,27 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
+from typing import Protocol
 
 from kvtier.errors import RequestError
-from kvtier.index import BlockIndex
+from kvtier.index import BlockIndex, PolicySource
 from kvtier.keys import BlockKey
 from kvtier.moves import Move
-from kvtier.tiers.base import Tier
 from kvtier.transfer import Completion
+
+
+class TierFacts(Protocol):
+    """What the decider reads of a tier: a ``kvtier.tiers.base.Tier`` in the store, a plain
+    value in the simulator (``kvtier.sim.storemodel``)."""
+
+    @property
+    def shared(self) -> bool: ...
+    @property
+    def persistent(self) -> bool: ...
+    @property
+    def healthy(self) -> bool: ...
+    @property
+    def capacity_blocks(self) -> int: ...
 
 
 @dataclass(slots=True)
@@ -92,7 +106,9 @@ class Read:
 class Decider:
     """Index + policies + move planning. Not thread-safe: callers hold the store's lock."""
 
-    def __init__(self, tiers: Sequence[Tier], policy: str, block_tokens: int) -> None:
+    def __init__(self, tiers: Sequence[TierFacts], policy: PolicySource, block_tokens: int) -> None:
+        """``policy``: a registry name, or a factory of tier ``t``'s policy from ``(t,
+        capacity)`` (the simulator's, with its offline policies)."""
         self.tiers = tiers
         self.block_tokens = block_tokens
         self.local = [i for i, t in enumerate(tiers) if not t.shared]
@@ -143,8 +159,7 @@ class Decider:
                         self.counters.promotions += n_ok
                 if mv.delete_src:
                     self.evicting[mv.src] -= len(mv.keys)
-                    for k in mv.keys:
-                        idx.drop(k, mv.src)
+                    idx.drop_all(mv.keys, mv.src)
                 idx.unpin(mv.keys)
 
     def next_local(self, tier: int) -> int | None:
@@ -161,7 +176,8 @@ class Decider:
         for k in victims:  # its copy there is going away: a failed read of it is no loss
             idx.entries[k].leaving |= 1 << tier
         move_keys = [k for k in victims if lower is not None and not idx.entries[k].tiers & below]
-        drop_keys = [k for k in victims if k not in set(move_keys)]
+        moving = set(move_keys)
+        drop_keys = [k for k in victims if k not in moving]
         if move_keys and lower is not None:
             fit, room = idx.plan_room_up_to(lower, len(move_keys))
             drop_keys += move_keys[fit:]  # what the lower tier cannot take falls off

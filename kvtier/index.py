@@ -18,11 +18,15 @@ blocks.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from kvtier.keys import BlockKey
 from kvtier.policy import EvictionPolicy, make_policy
+
+#: a policy name (``kvtier.policy.POLICIES``), or a factory of tier ``t``'s policy from
+#: ``(t, capacity in blocks)``
+PolicySource = str | Callable[[int, int], EvictionPolicy[BlockKey]]
 
 
 @dataclass(slots=True)
@@ -49,21 +53,18 @@ class Entry:
 class BlockIndex:
     """Entries by key plus one eviction policy per managed tier. Not thread-safe."""
 
-    def __init__(self, policy: str, capacities: Sequence[int]) -> None:
+    def __init__(self, policy: PolicySource, capacities: Sequence[int]) -> None:
         """``capacities[i]`` is tier i's size in blocks, 0 for a tier the store does not evict
-        from (unbounded / shared tiers evict on their own)."""
+        from (unbounded / shared tiers evict on their own). ``policy`` names each tier's policy
+        or builds it from the tier's capacity."""
         self.entries: dict[BlockKey, Entry] = {}
         self.capacities = list(capacities)
+        build = policy if callable(policy) else lambda _t, c: make_policy(policy, c)
         self.policies: list[EvictionPolicy[BlockKey] | None] = [
-            make_policy(policy, c) if c else None  # type: ignore[misc]
-            for c in capacities
+            build(t, c) if c else None  # type: ignore[misc]
+            for t, c in enumerate(capacities)
         ]
         self.resident = [0] * len(capacities)  # complete + pending-in, per tier
-        pols = self.policies
-        for t in range(1, len(pols)):  # an insert there is a batch of victims, not a chain
-            pol = pols[t]
-            if pol is not None:
-                pols[t] = pol.feed_by_demotion(pols[t - 1])
 
     # -- queries ---------------------------------------------------------------------------
     def readable(self, key: BlockKey) -> Entry | None:
@@ -158,13 +159,31 @@ class BlockIndex:
         bit = 1 << tier
         if e is None or not e.tiers & bit:
             return
+        evicted = e.leaving & bit  # an eviction's victim: its policy forgot it when it chose it
         e.tiers &= ~bit
         e.leaving &= ~bit
         self.resident[tier] -= 1
         policy = self.policies[tier]
-        if policy is not None:
+        if policy is not None and not evicted:
             policy.remove(key)
         self._forget_if_empty(key, e)
+
+    def drop_all(self, keys: Sequence[BlockKey], tier: int) -> None:
+        """``drop`` of each of ``keys`` (a move out of ``tier`` completed), in one loop."""
+        entries, bit, policy = self.entries, 1 << tier, self.policies[tier]
+        gone = 0
+        for key in keys:
+            e = entries.get(key)
+            if e is None or not e.tiers & bit:
+                continue
+            if policy is not None and not e.leaving & bit:
+                policy.remove(key)
+            e.tiers &= ~bit
+            e.leaving &= ~bit
+            gone += 1
+            if not e.tiers and not e.pending and e.pins <= 0:
+                del entries[key]
+        self.resident[tier] -= gone
 
     def touch(self, keys: Sequence[BlockKey], tier: int) -> None:
         """Hits on ``keys`` in ``tier`` (a load)."""

@@ -57,6 +57,28 @@ class StagingPool:
             self._free.extend(bufs[: max(0, room)])
 
 
+def split_moves(moves: Sequence[Move], parts: int) -> list[list[Move]]:
+    """``moves`` as up to ``parts`` job-sized lists that can run at once, on separate workers.
+
+    Each move's keys are cut into contiguous runs of whole ``BATCH`` es (so a batch-capable tier
+    still gets full batches), the i-th run of every move going to list i; a move too small to
+    cut stays whole in list 0. Order between lists is lost, so this is only for moves that do
+    not depend on each other (write-through copies of blocks already in the first tier), not
+    for a cascade planned deepest-first.
+    """
+    out: list[list[Move]] = [[] for _ in range(max(1, parts))]
+    for mv in moves:
+        n = min(len(out), -(-len(mv.keys) // BATCH))
+        bounds = [BATCH * (-(-len(mv.keys) * i // n) // BATCH) for i in range(n)] + [len(mv.keys)]
+        for i in range(n):
+            lo, hi = bounds[i], bounds[i + 1]
+            if lo < hi:
+                out[i].append(
+                    Move(mv.src, mv.dst, mv.keys[lo:hi], mv.tenants[lo:hi], mv.delete_src)
+                )
+    return [part for part in out if part]
+
+
 def _groups(tenants: Sequence[str]) -> dict[str, list[int]]:
     """Positions of each tenant's keys (tiers are called once per tenant)."""
     out: dict[str, list[int]] = {}

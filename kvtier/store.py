@@ -30,7 +30,7 @@ from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import asdict
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.config import StoreConfig
 from kvtier.decider import checked_reuse_class
@@ -38,9 +38,13 @@ from kvtier.errors import ConfigError, LayoutError
 from kvtier.keys import BlockKey, Namespace, TokenIds, iter_keys
 from kvtier.kvarray import host_array
 from kvtier.lease import Lease
+from kvtier.moves import split_moves
 from kvtier.readpath import ReadPath
 from kvtier.store_core import log
 from kvtier.tiers.base import Array
+
+if TYPE_CHECKING:
+    from kvtier.service.client import ServiceClient
 
 
 class TieredStore(ReadPath):
@@ -79,6 +83,16 @@ class TieredStore(ReadPath):
             for t in tiers:
                 t.close()
             raise
+
+    @classmethod
+    def connect(cls, url: str, **kwargs: Any) -> ServiceClient:
+        """A client of the node-local kvtier service (``kvtier serve``) at ``url``
+        (``unix:///path/kvtier.sock``) with this class's API: ``kvtier.service.client.connect``
+        (keywords: ``identity``/``model_id``, ``tenant``, ``layout``, ``timeout``). Needs the
+        ``service`` extra (pyzmq)."""
+        from kvtier.service.client import connect
+
+        return connect(url, **kwargs)
 
     def lookup(
         self,
@@ -162,11 +176,10 @@ class TieredStore(ReadPath):
         (logged), as one that reports failure. When the first tier is pinned full, the leading
         blocks that fit are stored.
 
-        ``reuse_class`` labels the request for learned admission (``kvtier.policy.admission``):
-        any hashable that tells kinds of requests apart, e.g. ``output_class(generated_tokens,
-        cached_tokens > 0)`` when storing at the end of a request (the simulator's label). The
-        default policy learns how often each class's blocks come back and keeps or drops new
-        blocks accordingly; a class without signal changes nothing. ``None``: unlabelled.
+        ``reuse_class`` is a hint for the first tier's policy (``kvtier.policy.hints``): any
+        hashable that tells kinds of requests apart, e.g. ``output_class(generated_tokens,
+        cached_tokens > 0)``. The registry's policies (the default included) ignore it, so it
+        never changes what is kept; ``None``: unlabelled.
         """
         self._check_open()
         reuse_class = checked_reuse_class(reuse_class)
@@ -264,7 +277,8 @@ class TieredStore(ReadPath):
             through = self._decider.plan_write_through(
                 [k for k, g in zip(new_keys, ok, strict=True) if g], owner
             )
-        self._submit("write-through", through)
+        for part in split_moves(through, self._engine.workers):  # on every worker at once
+            self._submit("write-through", part)
         return written
 
     # -- prefetch / pin --------------------------------------------------------------------

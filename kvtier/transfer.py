@@ -65,6 +65,11 @@ class TransferEngine:
         self._closed = False
 
     # -- synchronous batches ---------------------------------------------------------------
+    @property
+    def parallelism(self) -> int:
+        """Threads a ``run_parallel`` batch uses at most: every worker plus the caller."""
+        return self.workers + 1
+
     def run_parallel(self, fn: Callable[[Sequence[T]], list[R]], items: Sequence[T]) -> list[R]:
         """``fn`` over ``items`` split into contiguous chunks, one per worker plus the caller.
 
@@ -74,7 +79,7 @@ class TransferEngine:
         n = len(items)
         if n == 0:
             return []
-        parts = min(n, self.workers)
+        parts = min(n, self.parallelism)
         if parts == 1 or self._closed:
             return fn(items)
         bounds = [n * i // parts for i in range(parts + 1)]

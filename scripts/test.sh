@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || need+=(libibverbs1)
+command -v fio >/dev/null 2>&1 || need+=(fio)  # kvtier bench disk's raw limit
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}"

@@ -14,13 +14,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+
 from kvtier.errors import ConfigError, LayoutError, TokenError  # noqa: E402
 from kvtier.identity import Identity  # noqa: E402
 from kvtier.integrations import hf, hf_cache  # noqa: E402
 from kvtier.integrations.models import ARCHITECTURES, ModelSpec, random_model  # noqa: E402
 from kvtier.layout import KVLayout  # noqa: E402
-from kvtier.policy.admission import output_class  # noqa: E402
-from kvtier.policy.density import HitDensity  # noqa: E402
+from kvtier.policy.hints import output_class  # noqa: E402
 from kvtier.store import TieredStore  # noqa: E402
 from kvtier.tiers.host import HostTier  # noqa: E402
 from kvtier.tiers.nvme import NVMeTier  # noqa: E402
@@ -112,15 +112,25 @@ def test_reference_matches_transformers_generate(model: Any) -> None:
     assert torch.equal(torch.stack([x[0] for x in out.logits]), ref.logits)
 
 
-def learned_hints(store: TieredStore) -> set[object]:
-    """The reuse classes the store's first-tier policy (the default, ``density``) was given."""
+def record_hints(store: TieredStore) -> set[object]:
+    """The reuse classes the store will give its first-tier policy from now on (the policy
+    ignores them; the store must still pass what the caller labelled)."""
     pol = store._index.policies[0]
-    assert isinstance(pol, HitDensity)
-    return {name[1] for name in pol.states.names if isinstance(name, tuple) and name[0] == "new"}
+    assert pol is not None
+    seen: set[object] = set()
+    insert = pol.insert
+
+    def recording(keys: Any, hint: Any = None) -> None:
+        seen.add(hint)
+        insert(keys, hint)
+
+    pol.insert = recording  # type: ignore[method-assign]
+    return seen
 
 
 def test_multi_turn_from_host_is_bit_identical(model: Any) -> None:
     with host_store(model) as store:
+        hints = record_hints(store)
         turn1 = prompt(75, 4)
         got1 = hf.generate_with_cache(model, store, turn1, NEW)
         assert got1.n_reused == 0
@@ -129,7 +139,7 @@ def test_multi_turn_from_host_is_bit_identical(model: Any) -> None:
         turn2 = np.concatenate([turn1, got1.tokens, prompt(30, 5)])
         got2 = hf.generate_with_cache(model, store, turn2, NEW, reuse_class="chat")
         assert got2.n_reused == 80  # 5 blocks: the prompt's 4 and one holding generated tokens
-        assert "chat" in learned_hints(store)
+        assert "chat" in hints
         assert set(got2.sources) == {"host"}
         assert_same(got2, hf.generate_reference(model, turn2, NEW))
 
@@ -139,6 +149,7 @@ def test_by_output_labels_the_prompt_by_how_the_request_went(model: Any) -> None
     (output length, reused a prefix); the output and what the next turn reuses are unchanged."""
     turn1 = prompt(75, 8)
     with host_store(model) as store:
+        hints = record_hints(store)
         got1 = hf.generate_with_cache(model, store, turn1, NEW, reuse_class=hf.BY_OUTPUT)
         assert got1.stored_tokens == 64 + 16  # the prompt's 4 blocks, then the one it ends in
         assert_same(got1, hf.generate_reference(model, turn1, NEW))
@@ -146,7 +157,6 @@ def test_by_output_labels_the_prompt_by_how_the_request_went(model: Any) -> None
         got2 = hf.generate_with_cache(model, store, turn2, NEW, reuse_class=hf.BY_OUTPUT)
         assert got2.n_reused == 80
         assert_same(got2, hf.generate_reference(model, turn2, NEW))
-        hints = learned_hints(store)
         assert output_class(NEW, False) in hints and output_class(NEW, True) in hints
         assert hf.BY_OUTPUT not in hints
 

@@ -130,7 +130,7 @@ def test_config_validation_and_env_overrides() -> None:
     cfg = StoreConfig.from_dict(raw, env={"KVTIER_POLICY": "lru", "KVTIER_TIER0_CAPACITY": "2GiB"})
     assert cfg.policy == "lru" and cfg.tiers[0]["capacity"] == "2GiB"
     assert cfg.layout.dtype == "bfloat16"
-    # KVTIER_PURE selects the pure-Python policies (kvtier/_native.py): no store key, no error
+    # KVTIER_PURE chose a compiled build that is gone: no store key, no error
     assert StoreConfig.from_dict(raw, env={"KVTIER_PURE": "1"}).tiers[0]["capacity"] == "1GiB"
     with pytest.raises(ConfigError, match="unknown key"):
         StoreConfig.from_dict({"store": {"model": "Llama-3.1-8B", "colour": 1}}, env={})
@@ -149,9 +149,14 @@ def cfg(**store: object) -> dict[str, Any]:
 
 
 def test_config_policy_default_is_the_constructors() -> None:
-    """README: ``policy = "density"  # the default``, from a config file as from the constructor."""
-    assert StoreConfig.from_dict(cfg(), env={}).policy == DEFAULT_POLICY == "density"
+    """README: ``policy = "auto"  # the default``, from a config file as from the constructor."""
+    assert StoreConfig.from_dict(cfg(), env={}).policy == DEFAULT_POLICY == "auto"
     assert inspect.signature(TieredStore).parameters["policy"].default == DEFAULT_POLICY
+
+
+def test_config_naming_a_removed_policy_says_what_to_use() -> None:
+    with pytest.raises(ConfigError, match=r"policy 'density' was removed; use 'auto'"):
+        StoreConfig.from_dict(cfg(policy="density"), env={})
 
 
 def test_config_reads_env_strings_as_numbers_and_secrets() -> None:

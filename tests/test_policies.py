@@ -9,9 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.errors import ConfigError
 from kvtier.policy import DEFAULT_POLICY, POLICIES, EvictionPolicy, make_policy
 from kvtier.policy.base import always
+from kvtier.policy.duel import Auto
 from kvtier.policy.s3fifo import S3FIFO
+from kvtier.sim.replay import TierSpec, replay
+from kvtier.sim.workload import generate
 
 
 class PolicyContract:
@@ -157,25 +161,8 @@ def check_set_model(name: str, ops: list[tuple[str, list[int]]]) -> None:
         assert all((k in p) == (k in resident) == (k in model) for k in range(13))
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_s3fifo_unpinned_fast_path_makes_the_same_choices(seed: int) -> None:
-    """``evict(n, always)`` takes a separate fast loop; it must pick what the general loop picks."""
-    rng = random.Random(seed)
-    fast: S3FIFO[int] = S3FIFO(64)
-    slow: S3FIFO[int] = S3FIFO(64)
-    for _ in range(400):
-        root = rng.randrange(30)
-        chain = [root * 100 + j for j in range(rng.randrange(1, 8))]
-        for p in (fast, slow):
-            p.insert(chain)
-        over = len(fast) - 64
-        if over > 0:
-            assert fast.evict(over, always) == slow.evict(over, lambda _: True)
-        assert sorted(fast._freq.items()) == sorted(slow._freq.items())
-
-
 def test_s3fifo_ghost_remembers_the_last_capacity_of_drops() -> None:
-    """A dropped key that comes back while it is among the last ``ghost_factor x capacity``
+    """A dropped key that comes back while it is among the last ``ghost_fraction x capacity``
     drops is a ghost hit (it skips probation); one that comes back later is new. The list
     stays bounded however many keys pass through."""
 
@@ -195,3 +182,45 @@ def test_s3fifo_ghost_remembers_the_last_capacity_of_drops() -> None:
         p.insert([k])
         p.evict(1, always)
     assert len(p._ghost) <= 2 * ghost_len + 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_auto_ranks_one_resident_set_twice(seed: int) -> None:
+    """Whichever ranking evicts, the other forgets the victims: both always hold the policy's
+    resident set (pinned keys included)."""
+    rng = random.Random(seed)
+    p: Auto[int] = Auto(32)
+    for _ in range(300):
+        chain = [rng.randrange(20) * 100 + j for j in range(rng.randrange(1, 6))]
+        p.insert([k for k in chain if k not in p])
+        p.access([k for k in chain if k in p])
+        p.refresh([k for k in chain if k in p])
+        over = len(p) - 32
+        if over > 0:
+            root = chain[0]
+            assert p.evict(over, root.__ne__) is not None  # the request's root pinned
+        assert set(p._lru.resident()) == set(p._s3.resident()) == set(p.resident())
+
+
+@pytest.mark.parametrize(
+    ("kind", "seed", "cap", "winner"),
+    [("chat", 2, 301, "lru"), ("rag", 2, 143, "s3fifo")],  # 10% and 1% of their blocks
+)
+def test_auto_follows_the_ranking_the_traffic_favours(
+    kind: str, seed: int, cap: int, winner: str
+) -> None:
+    """Conversations returning after more than S3-FIFO's probation favour LRU; documents
+    drowned in one-shot questions favour S3-FIFO. ``auto`` is within 1% of the better one."""
+    trace = generate(kind, 2000, seed)
+    hit = {
+        pol: replay(trace, [TierSpec("x", cap, pol)]).token_hit_ratio
+        for pol in ("lru", "s3fifo", "auto")
+    }
+    assert max(hit, key=lambda p: hit[p] if p != "auto" else -1) == winner
+    assert hit["auto"] >= 0.99 * max(hit["lru"], hit["s3fifo"]), hit
+
+
+@pytest.mark.parametrize("name", ["density", "Density-Always"])
+def test_a_removed_policy_says_what_to_use(name: str) -> None:
+    with pytest.raises(ConfigError, match=r"was removed.*'auto'"):
+        make_policy(name, 8)

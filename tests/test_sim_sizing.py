@@ -15,7 +15,6 @@ import pytest
 from kvtier.cli.main import main
 from kvtier.sim import sizing
 from kvtier.sim.hierarchy import Hierarchy
-from kvtier.sim.replay import TierSpec, replay
 from kvtier.sim.trace import Request, Trace, write_trace
 from kvtier.sim.trace import Trace as _T
 from kvtier.sim.workload import generate
@@ -68,21 +67,6 @@ def tree_trace(seed: int, n_req: int = 80, nodes: int = 60) -> Trace:
         path.reverse()
         reqs.append(Request(float(i), 512 * len(path) - rng.randrange(512), 1, tuple(path)))
     return _T(tuple(reqs))
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_lru_estimate_equals_the_replay(seed: int) -> None:
-    """The one-pass stack estimate gives the replay's exact hits per tier (first tier holds the
-    longest request)."""
-    tr = tree_trace(seed)
-    prof = sizing.lru_profile(tr)
-    longest = max(len(r.blocks) for r in tr.requests)
-    rng = random.Random(seed)
-    for _ in range(5):
-        caps = (longest + rng.randrange(8), rng.randrange(10), rng.randrange(1, 20))
-        res = replay(tr, [TierSpec(f"t{i}", c, "lru") for i, c in enumerate(caps)])
-        est = sizing.estimate_hits(prof, caps)
-        assert np.array_equal(est, res.hit_tokens.astype(np.float64)), caps
 
 
 def test_looser_slo_never_costs_more_and_meets_it(trace: Trace) -> None:

@@ -46,7 +46,7 @@ def assert_consistent(st: TieredStore) -> None:
 
 @pytest.mark.parametrize("bad", [["x"], {"a": 1}, {1}, (1, [2])])
 def test_an_unhashable_reuse_class_is_refused_before_anything_is_stored(bad: object) -> None:
-    with host_store(8, policy="density-always") as st:
+    with host_store(8, policy="auto") as st:
         a = prompt(100, 2)
         with pytest.raises(RequestError, match="reuse_class") as err:
             st.store(a, kv_for(a), reuse_class=bad)  # type: ignore[arg-type]
@@ -60,7 +60,7 @@ def test_bad_reuse_classes_mid_workload_leave_every_block_evictable() -> None:
     # the repro, scaled down: a full tier, stores with an unhashable class, then more
     # ordinary stores -- each must write all it is given (nothing stranded, unevictable)
     cap = 30
-    with host_store(cap, policy="density-always") as st:
+    with host_store(cap, policy="auto") as st:
         for i in range(2 * cap):
             p = prompt(1000 * i)
             assert st.store(p, kv_for(p)) == BT

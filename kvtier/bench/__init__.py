@@ -15,5 +15,6 @@ BENCHES: dict[str, str] = {
     "redis": "kvtier.bench.redis",
     "s3": "kvtier.bench.s3",
     "mooncake": "kvtier.bench.mooncake",
+    "service": "kvtier.bench.service",
     "vllm": "kvtier.bench.vllm",
 }

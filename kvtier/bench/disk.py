@@ -1,20 +1,27 @@
-"""``kvtier bench disk``: NVMe tier store/load against raw O_DIRECT I/O on the same filesystem.
+"""``kvtier bench disk``: NVMe tier store/load against ``fio`` on the same filesystem, same bytes.
 
-Moves ``--size`` bytes (default 2 GiB) of Llama-3.1-8B blocks (256 tokens = 32 MiB) four ways,
-in one run, on one filesystem:
+Moves ``--size`` bytes (default 2 GiB) of Llama-3.1-8B blocks (256 tokens = 32 MiB) in one run,
+on one filesystem (``--dir``):
 
-- ``raw_write_gbps`` / ``raw_read_gbps``: plain sequential aligned ``O_DIRECT`` ``pwritev`` /
-  ``preadv`` of slot-sized chunks of a preallocated file from one page-aligned buffer, one
-  thread, ending with ``fdatasync`` -- what the device gives a program that does nothing else;
+- the raw limit: ``fio`` (``ioengine=libaio``, ``direct=1``, sequential, ``bs`` = the tier's slot
+  size, the same number of slots, ``end_fsync=1`` on writes) run for every ``numjobs`` x
+  ``iodepth`` in ``--jobs`` x ``--depths`` (powers of two up to the tier's ``--workers``) with at
+  most ``--inflight`` requests in flight (default ``--workers``: the tier's I/O threads each have
+  one synchronous request out, so that is its queue depth); ``raw_write_gbps`` /
+  ``raw_read_gbps`` are the best, with their settings in ``raw_write_best`` / ``raw_read_best``
+  and every configuration's figure in ``fio_write`` / ``fio_read``;
 - ``store_gbps`` / ``load_gbps``: ``NVMeTier.put`` / ``get_into`` of the same number of blocks in
   batches of ``--batch``, including the fused copy+checksum into and out of caller arrays, the
   header, the data ``fdatasync`` and the index record (a put returns only once durable), and on
-  load the header and checksum verification.
+  load the header and checksum verification. ``store_latency_ms`` / ``load_latency_ms``: p50 and
+  p99 of a block's latency, i.e. of the put / get call that carried it.
 
-All figures are payload GB/s (1e9 bytes). Both paths bypass the page cache with ``O_DIRECT``;
-where the filesystem refuses it (reported as ``o_direct: false``) both fall back to buffered
-I/O and the page cache is dropped for the files (``POSIX_FADV_DONTNEED``) before each read
-phase, so neither side reads from DRAM.
+Rounds are interleaved (every fio write, the tier's store, every fio read, the tier's load);
+each figure is the best of ``--repeat`` rounds and ``*_vs_raw_rounds`` the tier against the best
+fio of the same round. Without ``fio`` on ``PATH`` the tier is still measured, ``raw_limit``
+says fio is missing and the ratios are ``None``. All figures are payload GB/s (1e9 bytes). Where
+the filesystem refuses ``O_DIRECT`` (``o_direct: false``) the tier falls back to buffered I/O,
+its file's page cache is dropped before each load, and fio runs buffered too.
 
 ``reopen_100k_s`` (named for the default ``--reopen-blocks``): seconds to reopen a tier whose
 index holds that many blocks (a small layout, so building it is quick), i.e. warm-restart cost.
@@ -23,9 +30,11 @@ index holds that many blocks (a small layout, so building it is quick), i.e. war
 from __future__ import annotations
 
 import argparse
-import mmap
+import json
+import logging
 import os
 import shutil
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +47,9 @@ from kvtier.layout import KVLayout, preset
 from kvtier.tiers.nvme import NVMeTier
 from kvtier.tiers.nvme_index import SLOTS_FILE, slot_bytes_for
 
+log = logging.getLogger(__name__)
+FIO_MISSING = "fio not found: install it (Debian: apt-get install fio); no raw limit measured"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", default="2GiB", help="bytes to move each way (default 2GiB)")
@@ -46,9 +58,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=4, help="tier I/O threads")
     parser.add_argument("--model", default="Llama-3.1-8B", help="layout preset")
     parser.add_argument("--repeat", type=int, default=3, help="rounds; best of each is reported")
+    parser.add_argument("--jobs", default="", help="fio numjobs to try (default: 1,2,4..workers)")
+    parser.add_argument("--depths", default="", help="fio iodepths to try (default: as --jobs)")
+    parser.add_argument(
+        "--inflight", type=int, default=0, help="most fio requests in flight (default --workers)"
+    )
     parser.add_argument(
         "--reopen-blocks", type=int, default=100_000, help="blocks indexed for the reopen test"
     )
+
+
+def _powers(limit: int) -> list[int]:
+    out = [1]
+    while out[-1] * 2 <= limit:
+        out.append(out[-1] * 2)
+    return out if out[-1] == limit else [*out, limit]
+
+
+def _ints(text: str, default: list[int]) -> list[int]:
+    return sorted({int(x) for x in text.split(",") if x.strip()}) or default
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -58,41 +86,67 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     base = Path(args.dir)
     shutil.rmtree(base, ignore_errors=True)
     (base / "raw").mkdir(parents=True)
+    jobs = _ints(args.jobs, _powers(max(1, args.workers)))
+    depths = _ints(args.depths, _powers(max(1, args.workers)))
+    fio = shutil.which("fio")
+    if fio is None:
+        log.warning("%s", FIO_MISSING)
     result: dict[str, Any] = {
         "model": args.model,
         "block_bytes": bb,
+        "io_bytes": sb,
         "blocks": n,
         "bytes": n * bb,
         "batch": args.batch,
         "workers": args.workers,
         "repeat": args.repeat,
+        "raw_limit": f"fio {_fio_version(fio)}, libaio, O_DIRECT" if fio else FIO_MISSING,
     }
-    best = dict.fromkeys(("raw_write", "store", "raw_read", "load"), float("inf"))
+    inflight = args.inflight or args.workers
+    configs = [(j, d) for j in jobs for d in depths if n // j > 0 and j * d <= inflight]
+    result["fio_inflight_max"] = inflight
+    fio_runs: dict[str, dict[str, list[float]]] = {"write": {}, "read": {}}
+    tier_times: dict[str, list[float]] = {"store": [], "load": []}
+    lat: dict[str, list[float]] = {"store": [], "load": []}
     try:
-        raw = _Raw(base / "raw" / SLOTS_FILE, n, sb)
         bench = _TierBench(layout, base / "tier", n, args.batch, args.workers)
+        direct = bench.tier.o_direct
         try:
-            for _ in range(args.repeat):  # interleaved, best of each: drift hits both sides
-                for name, fn in (
-                    ("raw_write", raw.write),
-                    ("store", bench.store),
-                    ("raw_read", raw.read),
-                    ("load", bench.load),
-                ):
-                    best[name] = min(best[name], fn())
+            for _ in range(args.repeat):  # interleaved: drift hits both sides
+                for rw, step in (("write", "store"), ("read", "load")):
+                    for j, d in configs if fio else ():
+                        gbps = _fio(fio or "", base / "raw" / SLOTS_FILE, rw, sb, n, j, d, direct)
+                        fio_runs[rw].setdefault(f"numjobs={j} iodepth={d}", []).append(gbps)
+                    t, calls = bench.store() if step == "store" else bench.load()
+                    tier_times[step].append(t)
+                    lat[step] += calls
                 bench.clear()
-            result["o_direct"] = raw.direct and bench.tier.o_direct
+            result["o_direct"] = direct
         finally:
-            raw.close()
             bench.tier.close()
-        result.update(
-            raw_write_gbps=n * sb / best["raw_write"] / 1e9,
-            store_gbps=n * bb / best["store"] / 1e9,
-            raw_read_gbps=n * sb / best["raw_read"] / 1e9,
-            load_gbps=n * bb / best["load"] / 1e9,
-        )
-        result["store_vs_raw"] = result["store_gbps"] / result["raw_write_gbps"]
-        result["load_vs_raw"] = result["load_gbps"] / result["raw_read_gbps"]
+        result["store_gbps"] = n * bb / min(tier_times["store"]) / 1e9
+        result["load_gbps"] = n * bb / min(tier_times["load"]) / 1e9
+        for step in ("store", "load"):
+            ms = np.array(lat[step]) * 1e3
+            result[f"{step}_latency_ms"] = {
+                "p50": float(np.percentile(ms, 50)),
+                "p99": float(np.percentile(ms, 99)),
+            }
+        for rw, step in (("write", "store"), ("read", "load")):
+            runs = fio_runs[rw]
+            result[f"fio_{rw}"] = {k: max(v) for k, v in runs.items()}
+            if not runs:
+                result[f"raw_{rw}_gbps"] = result[f"raw_{rw}_best"] = None
+                result[f"{step}_vs_raw"] = None
+                continue
+            best = max(runs, key=lambda k: max(runs[k]))
+            result[f"raw_{rw}_best"] = best
+            result[f"raw_{rw}_gbps"] = max(runs[best])
+            result[f"{step}_vs_raw"] = result[f"{step}_gbps"] / result[f"raw_{rw}_gbps"]
+            result[f"{step}_vs_raw_rounds"] = [  # the tier against the same round's best fio
+                n * bb / tier_times[step][r] / 1e9 / max(v[r] for v in runs.values())
+                for r in range(args.repeat)
+            ]
         if args.reopen_blocks > 0:
             shutil.rmtree(base / "tier")
             key = "reopen_100k_s" if args.reopen_blocks == 100_000 else "reopen_s"
@@ -103,6 +157,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _fio_version(fio: str | None) -> str:
+    if fio is None:
+        return ""
+    done = subprocess.run([fio, "--version"], capture_output=True, text=True, check=False)
+    return done.stdout.strip()
+
+
+def _fio(
+    fio: str, path: Path, rw: str, bs: int, n: int, jobs: int, depth: int, direct: bool
+) -> float:
+    """One sequential fio run over ``n`` slots of ``bs`` bytes split over ``jobs`` (each its
+    own contiguous region of one file) at ``depth``; payload GB/s as fio measured it."""
+    per_job = (n // jobs) * bs
+    argv = [
+        fio, "--name=raw", f"--filename={path}", f"--rw={rw}", f"--bs={bs}", f"--size={per_job}",
+        f"--offset_increment={per_job}", f"--numjobs={jobs}", f"--iodepth={depth}",
+        "--ioengine=libaio", f"--direct={int(direct)}", "--group_reporting",
+        "--output-format=json", *(["--end_fsync=1"] if rw == "write" else []),
+    ]  # fmt: skip
+    if not direct and rw == "read":
+        _drop_cache(path)
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench: fio failed ({' '.join(argv)}): {done.stderr[-500:]}")
+    stats = json.loads(done.stdout)["jobs"][0][rw]
+    return float(stats["bw_bytes"]) / 1e9
+
+
 def _drop_cache(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -110,39 +192,6 @@ def _drop_cache(path: Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-
-
-class _Raw:
-    """Sequential aligned O_DIRECT I/O of n slots from one buffer: the device's own figure."""
-
-    def __init__(self, path: Path, n: int, sb: int) -> None:
-        self.path, self.n, self.sb = path, n, sb
-        buf = mmap.mmap(-1, sb)
-        buf.write(os.urandom(1 << 20) * (sb >> 20) + os.urandom(sb & ((1 << 20) - 1)))
-        self.view = memoryview(buf)
-        try:
-            self.fd, self.direct = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644), True
-        except OSError:
-            self.fd, self.direct = os.open(path, os.O_RDWR | os.O_CREAT, 0o644), False
-        os.posix_fallocate(self.fd, 0, n * sb)
-
-    def write(self) -> float:
-        t0 = time.perf_counter()
-        for i in range(self.n):
-            os.pwritev(self.fd, [self.view], i * self.sb)
-        os.fdatasync(self.fd)
-        return time.perf_counter() - t0
-
-    def read(self) -> float:
-        if not self.direct:
-            _drop_cache(self.path)
-        t0 = time.perf_counter()
-        for i in range(self.n):
-            os.preadv(self.fd, [self.view], i * self.sb)
-        return time.perf_counter() - t0
-
-    def close(self) -> None:
-        os.close(self.fd)
 
 
 class _TierBench:
@@ -164,27 +213,35 @@ class _TierBench:
             layout, [d], n * sb, warm_restart=False, workers=workers, staging_bytes=workers * sb
         )
 
-    def store(self) -> float:
+    def store(self) -> tuple[float, list[float]]:
+        """Seconds for every put, and each block's latency (its put call's seconds)."""
         self.keys = [BlockKey(os.urandom(32)) for _ in range(self.n)]
+        calls: list[float] = []
         t0 = time.perf_counter()
         for i in range(0, self.n, self.batch):
             ks = self.keys[i : i + self.batch]
+            t1 = time.perf_counter()
             if not all(self.tier.put(ks, [self.sources[j % 4] for j in range(i, i + len(ks))])):
                 raise RuntimeError("bench: put failed (see the log); is the disk full?")
-        return time.perf_counter() - t0
+            calls += [time.perf_counter() - t1] * len(ks)
+        return time.perf_counter() - t0, calls
 
-    def load(self) -> float:
+    def load(self) -> tuple[float, list[float]]:
+        """Seconds for every get, and each block's latency (its get call's seconds)."""
         if not self.tier.o_direct:
             _drop_cache(self.dir / SLOTS_FILE)
+        calls: list[float] = []
         t0 = time.perf_counter()
         for i in range(0, self.n, self.batch):
             ks = self.keys[i : i + self.batch]
+            t1 = time.perf_counter()
             if not all(self.tier.get_into(ks, self.outs[: len(ks)])):
                 raise RuntimeError("bench: a stored block did not load back")
+            calls += [time.perf_counter() - t1] * len(ks)
             for j, o in enumerate(self.outs[: len(ks)]):
                 if o[0, 0, 0].tobytes() != self.sources[(i + j) % 4][0, 0, 0].tobytes():
                     raise RuntimeError("bench: loaded bytes differ from stored bytes")
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, calls
 
     def clear(self) -> None:
         self.tier.delete(self.keys[::-1])  # so the next round reuses slots in ascending order

@@ -1,10 +1,23 @@
-"""``kvtier bench host``: store/load through the host DRAM tier vs memcpy of the same bytes.
+"""``kvtier bench host``: store/load through the host DRAM tier against the best copy of the same
+bytes the machine does with the same threads.
 
-Layout Llama-3.1-8B (fp16, 256-token blocks = 32 MiB), >= 1 GiB per round. ``memcpy_gbps`` is
-one thread copying the same block slices (``np.copyto``, i.e. memcpy) from the same source
-array into a same-sized destination, measured in the same run; ``memcpy_whole_gbps`` is one
-single copy of the whole buffer, for reference. The store path also checksums every block
-(xxh3) and runs on the transfer engine's workers plus the caller. Best of ``--rounds``.
+Layout Llama-3.1-8B (fp16, 256-token blocks = 32 MiB), ``--gib`` per round. The tier's store and
+load run on the transfer engine's workers plus the caller (``TransferEngine.parallelism``
+threads) and include the xxh3 checksum of every byte. The limit is the fastest of these copies
+of the same bytes, each with 1 .. that many threads (``np.copyto``, i.e. glibc memcpy, on a
+thread pool plus the caller, the work split into contiguous runs as the engine splits it):
+
+- ``memcpy_blocks_{t}t``: block by block between the caller's strided ``[layers, 2, tokens, ...]``
+  slices and a contiguous arena, the same copies the tier makes (store direction for the store,
+  load direction for the load);
+- ``memcpy_whole_{t}t``: the whole contiguous buffer in ``t`` pieces (glibc streams copies over
+  its non-temporal threshold past the cache, which block-sized copies may not reach).
+
+After one unmeasured warm-up round, every round runs every copy and the tier's store and load
+back to back (so drift on a shared machine hits all of them); ``*_gbps`` are the best of
+``--rounds``, ``store_vs_best`` / ``load_vs_best`` the ratio of the tier's best to the best
+copy's (named in ``store_baseline`` / ``load_baseline``), and ``*_vs_best_rounds`` the same
+ratio within each round (its spread).
 
 Also timed: ``lookup`` of a fully cached 128K-token prompt (numpy token array and Python list)
 and a miss on the first block.
@@ -14,19 +27,24 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from kvtier.layout import KVLayout, preset
 from kvtier.store import TieredStore
+from kvtier.tiers.base import Array
 from kvtier.tiers.host import HostTier
+from kvtier.transfer import TransferEngine
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gib", type=float, default=1.0, help="GiB moved per round (default 1)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workers", type=int, default=2, help="transfer engine workers")
+    p.add_argument("--model", default="Llama-3.1-8B", help="layout preset")
 
 
 def _best(fn: Any, rounds: int) -> float:
@@ -60,55 +78,123 @@ def _lookup_times(rounds: int) -> dict[str, float]:
     }
 
 
+class _Copies:
+    """The reference copies, each a callable over ``threads`` threads (caller included)."""
+
+    def __init__(self, lay: KVLayout, kv: Array, arena: Array, out: Array, threads: int) -> None:
+        self.lay, self.kv, self.arena, self.out = lay, kv, arena, out
+        self.blocks = arena.nbytes // lay.block_bytes
+        self.pool = ThreadPoolExecutor(max(1, threads - 1), thread_name_prefix="bench-copy")
+
+    def _split(self, fn: Callable[[int, int], None], n: int, threads: int) -> None:
+        """``fn(lo, hi)`` over ``range(n)`` in ``threads`` contiguous parts, one on the caller."""
+        parts = min(n, threads)
+        bounds = [n * i // parts for i in range(parts + 1)]
+        futs = [self.pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, parts)]
+        fn(bounds[0], bounds[1])
+        for f in futs:
+            f.result()
+
+    def _block_views(self, i: int) -> tuple[Array, Array, Array]:
+        lay, bb, bt = self.lay, self.lay.block_bytes, self.lay.block_tokens
+        slot = self.arena[i * bb : (i + 1) * bb].view(lay.storage_dtype).reshape(lay.block_shape)
+        return slot, self.kv[:, :, i * bt : (i + 1) * bt], self.out[:, :, i * bt : (i + 1) * bt]
+
+    def blocks_in(self, threads: int) -> None:
+        def part(lo: int, hi: int) -> None:
+            for i in range(lo, hi):
+                slot, src, _ = self._block_views(i)
+                np.copyto(slot, src)
+
+        self._split(part, self.blocks, threads)
+
+    def blocks_out(self, threads: int) -> None:
+        def part(lo: int, hi: int) -> None:
+            for i in range(lo, hi):
+                slot, _, dst = self._block_views(i)
+                np.copyto(dst, slot)
+
+        self._split(part, self.blocks, threads)
+
+    def whole(self, threads: int) -> None:
+        src = self.kv.reshape(-1).view(np.uint8)
+        step = -(-src.size // threads)
+
+        def part(lo: int, hi: int) -> None:
+            for k in range(lo, hi):
+                np.copyto(self.arena[k * step : (k + 1) * step], src[k * step : (k + 1) * step])
+
+        self._split(part, threads, threads)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    lay = preset("Llama-3.1-8B").layout("float16", 256)
+    lay = preset(args.model).layout("float16", 256)
     blocks = max(1, int(args.gib * 2**30) // lay.block_bytes)
     n_tok = blocks * lay.block_tokens
     nbytes = blocks * lay.block_bytes
     rng = np.random.default_rng(0)
     kv = rng.integers(0, 2**16, size=lay.kv_shape(n_tok), dtype=np.uint16).view(np.float16)
-    out = np.zeros_like(kv)
-    dst = np.zeros(nbytes, dtype=np.uint8)
-    bt = lay.block_tokens
+    out = np.empty_like(kv)
+    arena = np.empty(nbytes, dtype=np.uint8)
+    out.fill(0)  # touch every page now: a first touch would land on whichever copy ran first
+    arena.fill(0)
+    threads = TransferEngine(args.workers).parallelism  # what the store's batches use
+    copies = _Copies(lay, kv, arena, out, threads)
+    store_refs = {f"memcpy_blocks_{t}t": (copies.blocks_in, t) for t in range(1, threads + 1)}
+    load_refs = {f"memcpy_blocks_out_{t}t": (copies.blocks_out, t) for t in range(1, threads + 1)}
+    whole_refs = {f"memcpy_whole_{t}t": (copies.whole, t) for t in range(1, threads + 1)}
+    refs = {**store_refs, **load_refs, **whole_refs}
+    times: dict[str, list[float]] = {name: [] for name in [*refs, "store", "load"]}
 
-    def memcpy_blocks() -> None:
-        for i in range(blocks):
-            part = dst[i * lay.block_bytes : (i + 1) * lay.block_bytes]
-            np.copyto(
-                part.view(np.float16).reshape(lay.block_shape), kv[:, :, i * bt : (i + 1) * bt]
-            )
+    warm = [True]
 
-    flat = kv.reshape(-1).view(np.uint8)
-    t_memcpy = _best(memcpy_blocks, args.rounds)
-    t_whole = _best(lambda: np.copyto(dst, flat), args.rounds)
+    def timed(name: str, fn: Callable[..., Any], *fn_args: Any) -> Any:
+        t0 = time.perf_counter()
+        got = fn(*fn_args)
+        if not warm[0]:
+            times[name].append(time.perf_counter() - t0)
+        return got
 
-    tier = HostTier(lay, (blocks + 1) * lay.block_bytes)
+    identical = True
     counter = iter(range(1, 1 << 30))
-    with TieredStore(lay, [tier], workers=args.workers, model_id="bench") as st:
-        state: dict[str, Any] = {}
-        t_store = float("inf")
-        for _ in range(args.rounds):
-            toks = np.full(n_tok, next(counter), dtype=np.int64)
-            t0 = time.perf_counter()
-            stored = st.store(toks, kv)
-            t_store = min(t_store, time.perf_counter() - t0)
-            assert stored == n_tok
-            state["toks"] = toks
-        toks = state["toks"]
-        t_load = _best(lambda: st.load(toks, out), args.rounds)
-        identical = bool(np.array_equal(out.view(np.uint16), kv.view(np.uint16)))
+    tier = HostTier(lay, (blocks + 1) * lay.block_bytes)
+    try:
+        with TieredStore(lay, [tier], workers=args.workers, model_id="bench") as st:
+            for r in range(-1, args.rounds):  # round -1 warms threads, pages and caches
+                warm[0] = r < 0
+                for name, (fn, t) in refs.items():
+                    timed(name, fn, t)
+                toks = np.full(n_tok, next(counter), dtype=np.int64)
+                if timed("store", st.store, toks, kv) != n_tok:
+                    raise RuntimeError("bench: the tier's store did not cover every block")
+                out.fill(0)
+                if timed("load", st.load, toks, out) != n_tok:
+                    raise RuntimeError("bench: the tier's load did not cover every block")
+                identical = identical and bool(
+                    np.array_equal(out.view(np.uint16), kv.view(np.uint16))
+                )
+    finally:
+        copies.pool.shutdown()
+    gbps = {name: nbytes / min(ts) / 1e9 for name, ts in times.items()}
     result: dict[str, Any] = {
-        "layout": "Llama-3.1-8B fp16, 256-token blocks",
+        "layout": f"{args.model} fp16, 256-token blocks",
         "block_bytes": lay.block_bytes,
         "bytes": nbytes,
         "workers": args.workers,
-        "store_gbps": nbytes / t_store / 1e9,
-        "load_gbps": nbytes / t_load / 1e9,
-        "memcpy_gbps": nbytes / t_memcpy / 1e9,
-        "memcpy_whole_gbps": nbytes / t_whole / 1e9,
+        "tier_threads": threads,
+        "rounds": args.rounds,
+        "store_gbps": gbps["store"],
+        "load_gbps": gbps["load"],
+        **{f"{name}_gbps": gbps[name] for name in refs},
         "identical": identical,
     }
-    result["store_vs_memcpy"] = result["store_gbps"] / result["memcpy_gbps"]
-    result["load_vs_memcpy"] = result["load_gbps"] / result["memcpy_gbps"]
+    for side, own in (("store", store_refs), ("load", load_refs)):
+        names = [*own, *whole_refs]
+        best = max(names, key=lambda k: gbps[k])
+        result[f"{side}_baseline"] = best
+        result[f"{side}_vs_best"] = gbps[side] / gbps[best]
+        result[f"{side}_vs_best_rounds"] = [  # within each round: tier against that round's best
+            min(times[k][r] for k in names) / times[side][r] for r in range(args.rounds)
+        ]
     result.update(_lookup_times(args.rounds))
     return result

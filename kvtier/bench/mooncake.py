@@ -1,19 +1,26 @@
-"""``kvtier bench mooncake``: the Mooncake tier against the bare Mooncake client, same run.
+"""``kvtier bench mooncake``: the Mooncake tier and the store's whole path against the fastest
+bare Mooncake client configuration found, same bytes, same run.
 
-Both sides move ``--blocks`` blocks of ``--block-mib`` MiB in one batched call per direction,
-through the *same* ``MooncakeDistributedStore`` client (the tier's own): the tier through
-``put``/``get_into`` (header, xxh3 checksum of the payload, verification on read), the raw side
-as ``batch_put_from``/``batch_get_into`` of values of the same size, no framing and no
-verification. Both sides move memory registered once with the transfer engine (the raw side
-with ``register_buffer``, the tier's sources and destinations with ``MooncakeTier.register``, as
-a deployment registers its host arena). The tier's blocks are framed (``codec.framed_empty``,
-as the store's staging buffers are), so each value moves as one buffer; ``--plain`` measures
-plain arrays, whose header moves as a second buffer. Rounds are interleaved as
-``kvtier.bench.remote`` describes; each round's objects are removed after it.
+Every step moves ``--blocks`` blocks of ``--block-mib`` MiB (``kvtier.bench.remote`` interleaves
+them), through the *same* ``MooncakeDistributedStore`` client (the tier's own):
 
-Without ``--master`` a ``mooncake_master`` and a ``mooncake_client`` holding the pool memory
-(``--pool-mib``) are started on 127.0.0.1 from the installed wheel and stopped by PID at the end:
-the benchmarked client then reaches the pool over TCP, as a node reaches a remote memory pool.
+- ``raw_store:batch=B,registered`` / ``raw_load:...``: ``batch_put_from`` / ``batch_get_into``
+  of values of the tier's size in calls of ``B`` (``--blocks`` and 4), from and into memory
+  registered once with ``register_buffer``; no framing, no verification. The fastest is the
+  limit;
+- ``store`` / ``load``: the tier's ``put``/``get_into`` (header, xxh3 checksum of the payload,
+  verification on read), its sources and destinations registered with ``MooncakeTier.register``
+  as a deployment registers its host arena; MAC'd by default (with ``--auth-pair`` also
+  ``store_noauth`` / ``load_noauth``, plain blocks in a trusted pool). The blocks are framed
+  (``codec.framed_empty``, as the store's staging buffers are), so each value moves as one
+  buffer; ``--plain`` measures plain arrays, whose header moves as a second buffer;
+- ``write_through`` / ``read_path`` (unless ``--no-whole-path``): ``TieredStore.store()`` until a
+  second process sees every block, and that process's ``load()`` (``kvtier.bench.peer``).
+
+Each round's objects are removed after it. Without ``--master`` a ``mooncake_master`` and a
+``mooncake_client`` holding the pool memory (``--pool-mib``) are started on 127.0.0.1 from the
+installed wheel and stopped by PID at the end: the benchmarked client then reaches the pool over
+TCP, as a node reaches a remote memory pool.
 """
 
 from __future__ import annotations
@@ -25,21 +32,26 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kvtier.bench.peer import WholePath
 from kvtier.bench.remote import (
     Round,
+    SealSpec,
     add_round_arguments,
     bench_layout,
-    bench_sealer,
     free_port,
     interleaved,
     random_blocks,
     same_bytes,
+    seal_variants,
     tier_buffers,
+    tier_steps,
+    timed,
     wait_port,
     whole_buffer,
 )
@@ -118,25 +130,48 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     lay = bench_layout(args.block_mib)
     if args.master:
         return _run(args, lay, args.master)
-    pool = args.pool_mib * MIB or 3 * args.blocks * (lay.block_bytes + MIB)
+    # every variant's round, the raw round and the whole path's, with room to spare
+    copies = 2 * (len(seal_variants(args)) + 2)
+    pool = args.pool_mib * MIB or copies * args.blocks * (lay.block_bytes + MIB)
     with local_mooncake(pool) as master:
         return _run(args, lay, master)
 
 
+def peer_tier(layout: KVLayout, spec: dict[str, Any]) -> MooncakeTier:
+    """The tier of one store process, from the plain-JSON ``spec`` both processes share."""
+    return MooncakeTier(
+        layout,
+        spec["master"],
+        protocol=spec["protocol"],
+        local_hostname=spec["local_hostname"],
+        segment_size=0,
+        buffer_size=int(spec["buffer_size"]),
+        prefix=spec["prefix"],
+        sealer=SealSpec.from_json(spec["seal"]).sealer(layout),
+    )
+
+
 def _run(args: argparse.Namespace, lay: KVLayout, master: str) -> dict[str, Any]:
     n = args.blocks
-    tier = MooncakeTier(
-        lay,
-        master,
-        protocol=args.protocol,
-        local_hostname=args.local_hostname,
-        segment_size=args.segment_mib * MIB,
-        buffer_size=(n + 1) * (lay.block_bytes + MIB),
-        prefix="bench" + uuid.uuid4().hex[:8],
-        sealer=bench_sealer(lay, args.encrypt, not args.no_auth),
-    )
+    prefix = "bench" + uuid.uuid4().hex[:8]
+    variants = seal_variants(args)
+    buffer_size = (n + 1) * (lay.block_bytes + MIB)
+    tiers: dict[str, MooncakeTier] = {}
+    whole: WholePath | None = None
     try:
-        client = tier.client
+        for name, seal in variants.items():
+            tiers[name] = MooncakeTier(
+                lay,
+                master,
+                protocol=args.protocol,
+                local_hostname=args.local_hostname,
+                segment_size=args.segment_mib * MIB,
+                buffer_size=buffer_size,
+                prefix=f"{prefix}{name}",
+                sealer=seal.sealer(lay),
+            )
+        first = tiers[""]
+        client = first.client
         if client is None:
             raise ConfigError(f"cannot reach mooncake_master at {master}")
         rng = np.random.default_rng(1)
@@ -144,49 +179,87 @@ def _run(args: argparse.Namespace, lay: KVLayout, master: str) -> dict[str, Any]
         outs = tier_buffers(
             [np.ones(lay.block_shape, dtype=np.uint16) for _ in range(n)], args.plain
         )
-        value = tier.value_bytes  # the raw side moves values of the tier's size
+        value = first.value_bytes  # the raw side moves values of the tier's size
         raw_src = [np.frombuffer(rng.bytes(value), np.uint8).copy() for _ in range(n)]
         raw_dst = [np.ones(value, np.uint8) for _ in range(n)]
         for a in raw_src + raw_dst:  # both sides move registered memory
             client.register_buffer(a.ctypes.data, a.nbytes)
-        for b in blocks + outs:  # the whole frame when framed
-            tier.register(whole_buffer(b))
+        for tier in tiers.values():
+            for b in blocks + outs:  # the whole frame when framed
+                tier.register(whole_buffer(b))
         src_ptrs = [a.ctypes.data for a in raw_src]
         dst_ptrs = [a.ctypes.data for a in raw_dst]
-        sizes = [value] * n
+        batches = sorted({n, min(n, 4)}, reverse=True)
+
+        def raw_put(names: list[str], size: int) -> bool:
+            return all(
+                c == 0
+                for lo in range(0, n, size)
+                for c in client.batch_put_from(
+                    names[lo : lo + size],
+                    src_ptrs[lo : lo + size],
+                    [value] * len(names[lo : lo + size]),
+                )
+            )
+
+        def raw_get(names: list[str], size: int) -> bool:
+            return all(
+                c == value
+                for lo in range(0, n, size)
+                for c in client.batch_get_into(
+                    names[lo : lo + size],
+                    dst_ptrs[lo : lo + size],
+                    [value] * len(names[lo : lo + size]),
+                )
+            )
+
+        if not args.no_whole_path:
+            seal = variants[""]  # as configured (by default with its MAC, as deployed)
+            spec = {"master": master, "protocol": args.protocol,
+                    "local_hostname": args.local_hostname, "buffer_size": buffer_size,
+                    "prefix": f"{prefix}wp", "seal": seal.json()}  # fmt: skip
+            whole = WholePath(lay, "kvtier.bench.mooncake", partial(peer_tier, lay, spec), spec, n)
 
         def make_round(r: int) -> Round:
             keys = [BlockKey(os.urandom(32)) for _ in range(n)]
-            names = [f"{tier.prefix}/raw/{r}/{i}" for i in range(n)]
+            # each configuration its own objects: a put over an existing object is refused
+            names = {s: [f"{prefix}/raw/{r}/{s}/{i}" for i in range(n)] for s in batches}
+            store, load = tier_steps(tiers, keys, blocks, outs)
+            for size in batches:
+                cfg = f"batch={size},registered"
+                store[f"raw_store:{cfg}"] = timed(partial(raw_put, names[size], size), "raw store")
+                load[f"raw_load:{cfg}"] = timed(partial(raw_get, names[size], size), "raw load")
+            done = None
+            if whole is not None:
+                ws, wl, done = whole.steps(r)
+                store.update(ws)
+                load.update(wl)
 
             def cleanup() -> None:
-                client.batch_remove(names, True)
-                tier.delete(keys)
+                client.batch_remove([x for ns in names.values() for x in ns], True)
+                for tier in tiers.values():
+                    tier.delete(keys)
+                if done is not None:
+                    done()
 
-            return Round(
-                raw_store=lambda: all(
-                    c == 0 for c in client.batch_put_from(names, src_ptrs, sizes)
-                ),
-                store=lambda: all(tier.put(keys, blocks)),
-                raw_load=lambda: all(
-                    c == value for c in client.batch_get_into(names, dst_ptrs, sizes)
-                ),
-                load=lambda: all(tier.get_into(keys, outs)),
-                identical=lambda: same_bytes(outs, blocks),
-                cleanup=cleanup,
-            )
+            return Round(store, load, lambda: same_bytes(outs, blocks), cleanup)
 
         out = interleaved(make_round, args.rounds, n * lay.block_bytes)
         for a in raw_src + raw_dst:
             client.unregister_buffer(a.ctypes.data)
     finally:
-        tier.close()
+        if whole is not None:
+            whole.close()
+        for tier in tiers.values():
+            tier.close()
     return {
         **out,
+        "byte_identical": out["byte_identical"] and (whole is None or whole.loaded_ok),
         "block_bytes": lay.block_bytes,
         "blocks": n,
         "protocol": args.protocol,
         "encrypted": bool(args.encrypt),
-        "auth": bench_sealer(lay, args.encrypt, not args.no_auth).mode,
         "framed": not args.plain,
+        "auth": variants[""].sealer(lay).mode,
+        "auth_pair": bool(args.auth_pair),
     }

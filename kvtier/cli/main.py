@@ -1,4 +1,4 @@
-"""The ``kvtier`` command line: ``plan | simulate | bench | demo | check``.
+"""The ``kvtier`` command line: ``plan | simulate | bench | demo | check | serve | stats``.
 
 Each subcommand lives in its own module with ``add_arguments(parser)`` and ``run(args) -> int``;
 ``COMMANDS`` maps the name to the module and help line, imported only when used so
@@ -30,6 +30,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "simulate": ("kvtier.cli.simulate", "replay a trace through tiers: hit ratio, TTFT, cost"),
     "check": ("kvtier.cli.check", "verify an NVMe tier directory: ok/torn/orphan/foreign slots"),
+    "serve": ("kvtier.cli.serve", "run the node-local service shared by every engine on the node"),
+    "stats": ("kvtier.cli.stats", "per-client and per-tenant counters of a running service"),
 }
 
 

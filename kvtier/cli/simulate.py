@@ -3,6 +3,7 @@
 kvtier simulate --trace mooncake.jsonl --model Llama-3.1-70B --tier hbm=80GB --tier dram=1TB
 kvtier simulate --trace mooncake.jsonl --capacity-blocks 10000 --policy belady --json
 kvtier simulate --trace mooncake.jsonl --sweep --plot out/
+kvtier simulate --sweep --basket [--trace mooncake.jsonl] [--policy auto]
 kvtier simulate --synthetic chat --requests 2000 --save-trace chat.jsonl
 """
 
@@ -24,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvtier.sim.hierarchy import ROUTES  # the command needs them anyway
     from kvtier.sim.replay import SIM_POLICIES
 
-    src = p.add_mutually_exclusive_group(required=True)
+    src = p.add_mutually_exclusive_group()
     src.add_argument("--trace", help="Mooncake-format JSONL trace")
     src.add_argument(
         "--synthetic",
@@ -60,6 +61,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--capacities", help="sweep: comma-separated capacities in blocks (>= 1; sorted)"
+    )
+    p.add_argument(
+        "--basket",
+        action="store_true",
+        help="sweep: the policy basket (kvtier.sim.basket): --trace if given, every synthetic "
+        "workload x seeds 0-2 (--requests each), 1%%-50%% of their blocks, one tier and host + "
+        "NVMe; policies --policy, else auto, lru, s3fifo",
     )
     add_jobs_argument(p, "sweep: replays")
     p.add_argument(
@@ -162,6 +170,10 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.sim.replay import SIM_POLICIES, replay
     from kvtier.sim.report import render, summarize
 
+    if args.basket:
+        return _run_basket(args)
+    if not (args.trace or args.synthetic):
+        raise ConfigError("give a trace: --trace FILE or --synthetic KIND (or --sweep --basket)")
     caps: list[int] | None = None
     if args.capacities is not None:
         if not args.sweep:
@@ -259,4 +271,59 @@ def run(args: argparse.Namespace) -> int:
         )
         summary["plots"] = [str(x) for x in plot_run(summary, t.ttft_s, plot_dir)]
     print(json.dumps(summary, indent=1) if args.json else render(summary))
+    return 0
+
+
+def _run_basket(args: argparse.Namespace) -> int:
+    """``--sweep --basket``: every point of the policy basket, each policy's summary."""
+    from kvtier.sim import basket
+    from kvtier.sim.replay import SIM_POLICIES
+
+    if not args.sweep:
+        raise ConfigError("--basket is a sweep over many traces; add --sweep")
+    other = [
+        f
+        for f in ("synthetic", "capacities", "capacity_blocks", "save_trace", "plot")
+        if getattr(args, f) is not None
+    ]
+    if other or args.tier or args.config or args.nodes:
+        raise ConfigError(
+            "--basket chooses its own traces and sizes; drop --synthetic, --capacities, "
+            "--capacity-blocks, --tier, --config, --nodes, --save-trace and --plot"
+        )
+    if args.requests < 1:
+        raise ConfigError(f"--requests must be >= 1, got {args.requests}")
+    pols = [args.policy] if args.policy else ["auto", "lru", "s3fifo"]
+    for p in pols:
+        if p.lower() not in SIM_POLICIES:
+            raise ConfigError(f"--policy {p!r} is unknown; choose one of {', '.join(SIM_POLICIES)}")
+    if args.trace:
+        from kvtier.sim.trace import read_trace
+
+        read_trace(args.trace)  # a bad trace is named before any replay starts
+    srcs = basket.sources(args.trace, args.requests)
+    pts = basket.points(srcs, pols, [args.hints])
+    with _LazyProgress(len(pts), "basket") as progress:
+        rows = basket.table(pts, basket.run(pts, jobs_from(args), progress))
+    out = {
+        "reuse_hints": args.hints,
+        "rows": rows,
+        "summary": [basket.summary(rows, p) for p in pols if p != "belady"],
+    }
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        for r in rows:
+            hits = "  ".join(f"{p} {v:.4f}" for p, v in r["hit"].items())
+            print(f"{r['trace']:>26} {r['fraction']:>5.0%} {r['caps']!s:>16}  {hits}")
+        for s in out["summary"]:
+            print(
+                f"{s['policy']}: {s['points'] - len(s['below_target'])}/{s['points']} points "
+                f"within 1% of the better of lru and s3fifo"
+                + (
+                    f", mean {s['mean_ratio_to_best']:.4f} of it"
+                    if "mean_ratio_to_best" in s
+                    else ""
+                )
+            )
     return 0

@@ -54,7 +54,7 @@ from transformers import DynamicCache
 from kvtier.errors import ConfigError, TokenError
 from kvtier.integrations import hf_cache
 from kvtier.keys import as_tokens
-from kvtier.policy.admission import output_class
+from kvtier.policy.hints import output_class
 
 MIN_RECOMPUTE = 16
 _OPTIONS = (
@@ -218,7 +218,7 @@ def store_cache(
 ) -> int:
     """Store every full block of the tokens ``cache`` holds for ``input_ids``; return the tokens
     written (blocks already cached are skipped by the store). Never raises on I/O problems.
-    ``reuse_class`` labels the request for the store's learned admission (``TieredStore.store``)."""
+    ``reuse_class`` labels the request for the store's policy (a hint; ``TieredStore.store``)."""
     if isinstance(input_ids, torch.Tensor):
         input_ids = input_ids.detach().cpu()
     tokens = as_tokens(input_ids)
@@ -258,7 +258,7 @@ def generate_with_cache(
     ``load_prefix``); the streamed KV is verified before anything is returned, and a block that
     fails makes the forward run again from the verified prefix (a miss), so the output is the
     same. ``load_s`` then covers only starting the load. ``reuse_class`` labels both stores for
-    the store's learned admission (``TieredStore.store``).
+    the store's policy (a hint; ``TieredStore.store``).
 
     Stores the prompt's new full blocks after the first token is produced, and the generated
     tokens' blocks at the end (``store_generated``, see the module docs). With

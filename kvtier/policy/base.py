@@ -9,7 +9,9 @@ parent first), and a policy must not prefer dropping a parent while keeping its 
 is useless without its parent. Policies get this by how they order a request's blocks (e.g.
 LRU refreshes a chain leaf-first so the root ends most recent).
 
-Keys are any hashable (32-byte ``BlockKey``s in the store, ints in the simulator).
+Keys are any hashable (32-byte ``BlockKey``s in the store, ints in the simulator). The
+simulator drives a policy through the store's own decider (``kvtier.sim.storemodel``), so a
+policy sees the same calls in both.
 """
 
 from __future__ import annotations
@@ -18,21 +20,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Hashable, Sequence
 from typing import Any, ClassVar, Generic, TypeVar
 
-try:
-    from mypy_extensions import mypyc_attr
-except ImportError:  # read by mypyc when it compiles this module (kvtier/_native.py): a no-op
-
-    def mypyc_attr(*attrs: str, **kwattrs: object) -> Callable[[T], T]:
-        return lambda cls: cls
-
-
 K = TypeVar("K", bound=Hashable)
-T = TypeVar("T")
 
 
-# compiled with mypyc, a class only compiled classes may subclass unless it says otherwise
-# (kvtier.sim.belady.Belady and test policies are interpreted)
-@mypyc_attr(allow_interpreted_subclasses=True)
 class EvictionPolicy(ABC, Generic[K]):
     """Tracks resident keys of one tier and picks victims. Not thread-safe (one decider)."""
 
@@ -47,10 +37,10 @@ class EvictionPolicy(ABC, Generic[K]):
     def insert(self, keys: Sequence[K], hint: Hashable | None = None) -> None:
         """Record resident keys, given in prefix order (parent first).
 
-        Keys already tracked may be included (e.g. a served request's whole chain): they count
-        as an access. The simulator calls it that way; the store may pass only new keys.
+        Keys already tracked may be included: they count as an access. The store (and the
+        simulator, which runs the store's decider) passes only keys new to the tier.
         ``hint`` is the reuse class of the request that produced the keys
-        (``kvtier.policy.admission``), or ``None``; policies may ignore it.
+        (``kvtier.policy.hints``), or ``None``; the registry's policies ignore it.
         """
 
     @abstractmethod
@@ -76,14 +66,6 @@ class EvictionPolicy(ABC, Generic[K]):
         All-or-nothing: if fewer than ``n`` evictable keys exist, return ``None`` and change
         nothing. Bounded work: implementations should not scan more than needed.
         """
-
-    def feed_by_demotion(self, upper: EvictionPolicy[K] | None = None) -> EvictionPolicy[K]:
-        """Called once when this policy serves a tier filled by demotions from the tier above
-        (whose policy is ``upper``): an ``insert`` there is a batch of victims, not one
-        request's chain. Returns the policy that serves the tier from now on: this one (the
-        default), switched to reading inserts that way, or another made for tiers below (a
-        policy may share what ``upper`` learned about the keys it passes down)."""
-        return self
 
     @abstractmethod
     def resident(self) -> Collection[object]:

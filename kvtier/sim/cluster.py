@@ -12,7 +12,10 @@ one node, read on another. Model (the one-node rules of ``kvtier.sim.replay`` ot
   ``BALANCE`` of the mean load, then to the least loaded node (a cache-aware router with a
   balance guard, as serving routers do).
 * **Node tiers.** The tiers before the first shared one (HBM, DRAM, NVMe) exist once per node,
-  each node's an exclusive hierarchy of its own (``kvtier.sim.tierchain.TierChain``).
+  each node's an exclusive hierarchy of its own (``kvtier.sim.tierchain.TierChain``). This is
+  the older model (whole chains inserted, the partial last block credited), not yet the
+  store's own decisions that one-node replays run (``kvtier.sim.storemodel``): a cluster's
+  numbers are the exclusive model's.
 * **Shared tiers** (from ``shared_from`` on: the pool, object storage) exist once for the
   cluster and are *written through*: when any node has served a request, the shared tiers serve
   its chain too (missing blocks written, blocks found in a lower shared tier moved up, the whole
@@ -34,12 +37,11 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier.errors import ConfigError
-from kvtier.policy.admission import output_class
-from kvtier.policy.fallback import tier_ranking
+from kvtier.policy.hints import output_class
 from kvtier.sim.hierarchy import ROUTES
-from kvtier.sim.replay import ReplayResult, TierSpec, build_policy, credit
+from kvtier.sim.replay import ReplayResult, TierSpec, build_policy
 from kvtier.sim.tierchain import TierChain
-from kvtier.sim.trace import Trace
+from kvtier.sim.trace import Request, Trace
 
 #: ``cache`` routing: how far above the least loaded node (a fraction of the mean load) a node
 #: may be and still get a request for its cached prefix
@@ -151,13 +153,6 @@ def replay_cluster(
                 out[j] = c
         return out
 
-    rankings: list[str | None] = [
-        tier_ranking([x.pols[t] for x in node_tiers]) for t in range(shared_from)
-    ]
-    rankings += [None] * (len(specs) - shared_from)
-    if shared is not None:
-        for j, pol in zip(shared_at, shared.pols, strict=True):
-            rankings[j] = tier_ranking([pol])
     return ReplayResult(
         tiers=specs,
         hit_tokens=np.array(hits, dtype=np.int64).reshape(len(specs), n_req),
@@ -172,7 +167,6 @@ def replay_cluster(
         node_of=node_of,
         shared_from=shared_from,
         route=route,
-        rankings=tuple(rankings),
     )
 
 
@@ -188,3 +182,23 @@ def _by_cache(node_tiers: Sequence[TierChain], blocks: Sequence[int], load: list
     if load[pick] - load[least] > BALANCE * sum(load) / len(load):
         return least
     return pick
+
+
+def credit(located: list[int | None], req: Request, bt: int, hits: list[list[int]], i: int) -> int:
+    """Credit request ``i``'s cached tokens to the tiers holding its leading run of blocks
+    (``located``: each block's tier before serving, None if absent) in ``hits[tier][i]``: each
+    block ``bt`` tokens, the last block of a fully cached request what is left of its input.
+    Returns the run's length in blocks."""
+    n = len(located)
+    run = located.index(None) if None in located else n
+    if run:
+        head = located[:run]
+        first = head.count(0)
+        hits[0][i] += bt * first
+        if first < run:  # some of the run sits below the first tier
+            for t in head:
+                if t:
+                    hits[t][i] += bt
+        if run == n:
+            hits[located[-1]][i] += req.input_length - bt * n  # type: ignore[index]
+    return run

@@ -4,7 +4,7 @@
 
     model = "Llama-3.1-70B"
     dtype = "bf16"
-    policy = "density"
+    policy = "auto"
 
     [gpu]
     name = "H100-SXM"

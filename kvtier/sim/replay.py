@@ -1,35 +1,26 @@
-"""The replay engine: a trace through a hierarchy of tiers, driving the store's own policy classes.
+"""The replay engine: a trace through the store's own decisions, one request at a time.
 
-Model (the same decisions ``TieredStore`` makes, with counters in place of a data mover):
+Each request is served by ``kvtier.sim.storemodel.ModelStore``, which runs ``TieredStore``'s
+``Decider`` (index, policies, promotion and demotion rules) with every move done at once: lookup,
+load of the cached prefix (promoting blocks found below the first tier; the hierarchy is
+inclusive), store of the prompt's full blocks. ``tests/test_sim_store.py`` replays a trace
+through a real ``TieredStore`` and through this engine and requires the same token hits.
 
-* Tiers are ordered fastest first and *exclusive*: a block lives in one tier at a time.
-* **Hit definition.** A request's cached tokens are those of the *leading run* of its blocks
-  present (in any tier) before it is served; each hit block counts ``block_tokens`` tokens except
-  the request's last block, which counts ``input_length - block_tokens * (n - 1)``.
-  ``token_hit_ratio`` = sum of cached tokens / sum of input tokens.
-* **After serving**, all of the request's blocks are resident in the first tier: blocks found in a
-  lower tier are promoted (moved up), missing ones are computed, and the policy gets
-  ``insert(chain)`` with the request's whole chain in prefix order (already-resident blocks count
-  as an access -- the policy contract allows it). A request longer than the first tier keeps only
-  its leading ``capacity`` blocks.
-* **Eviction** makes room first: ``evict(need, evictable)`` on the tier's policy with the served
-  request's blocks pinned (as the store pins in-flight blocks); victims are demoted to the next
-  tier (in prefix order), whose policy makes room the same way with ``always``; the last tier drops.
-  A demotion larger than the next tier passes its excess on down (an empty tier passes all).
-  For LRU this makes the hierarchy one LRU stack cut into segments (``kvtier.sim.sizing``).
-  The tiers' state and these moves are ``kvtier.sim.tierchain.TierChain``.
+* **Hit definition.** A request's cached tokens are ``block_tokens`` times the leading run of its
+  *full* blocks some tier holds before it is served (the store never caches a partial block).
+  ``token_hit_ratio`` = cached tokens / all input tokens (partial blocks included).
+* **Hints.** With ``hints`` each store is labelled with the request's reuse class
+  (``kvtier.policy.hints.output_class``), as an engine storing at request end can label it.
+* Keys are the trace's int block ids; policies are the registry's (``kvtier.policy``) plus the
+  simulator's offline ``belady`` and the prefix-unaware ``s3fifo-block`` baseline.
 
-Keys are the trace's int block ids; policies are the generic ``kvtier.policy`` classes (plus the
-offline ``belady``). A single tier is replayed by its own loop, which reads residency from the
-policy (``EvictionPolicy.resident``) instead of keeping a key -> tier map; it makes the same
-decisions (``tests/test_sim.py`` checks it against the general loop). The per-request hit
-tokens by tier are kept so the cost model can price fetch-vs-recompute and TTFT without
-replaying again.
+The per-request hit tokens by tier are kept so the cost model (``kvtier.sim.cost``) can price
+fetch-vs-recompute and TTFT without replaying again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,13 +28,11 @@ import numpy.typing as npt
 
 from kvtier.errors import ConfigError
 from kvtier.policy import POLICIES, EvictionPolicy, make_policy
-from kvtier.policy.admission import output_class
-from kvtier.policy.base import always
-from kvtier.policy.fallback import tier_ranking
+from kvtier.policy.hints import output_class
 from kvtier.policy.s3fifo import BlockS3FIFO
 from kvtier.sim.belady import Belady, FutureOracle
-from kvtier.sim.tierchain import TierChain, not_in
-from kvtier.sim.trace import Request, Trace
+from kvtier.sim.storemodel import ModelStore
+from kvtier.sim.trace import Trace
 
 #: offered by the simulator only: the offline ceiling and the prefix-unaware baseline
 SIM_ONLY = ("belady", BlockS3FIFO.name)
@@ -86,9 +75,6 @@ class ReplayResult:
     node_of: npt.NDArray[np.int64] | None = None
     shared_from: int | None = None
     route: str = ""
-    #: what each tier's policy ranked by at the end (``kvtier.policy.fallback.tier_ranking``:
-    #: the default is LRU in a tier that filled with too few requests to learn from)
-    rankings: tuple[str | None, ...] = ()
 
     @property
     def token_hit_ratio(self) -> float:
@@ -119,10 +105,7 @@ def replay(
 ) -> ReplayResult:
     """Replay ``trace`` through ``tiers`` (fastest first). Pure: builds fresh policies each call.
 
-    With ``hints`` the first tier's policy gets each request's reuse class, as an engine that
-    stores a request's blocks when it ends can pass it (``kvtier.policy.admission.output_class``:
-    the output length and whether the request extended a cached prefix); without, inserts are
-    unlabelled.
+    ``hints``: label each store with the request's reuse class (module docstring).
     ``progress(i)`` is called every 256 requests with the number served so far.
     """
     if not tiers:
@@ -130,117 +113,52 @@ def replay(
     specs = tuple(tiers)
     n_tiers = len(specs)
     oracle = FutureOracle(trace) if any(s.policy.lower() == "belady" for s in specs) else None
-    held = TierChain([build_policy(s, oracle) for s in specs], [s.capacity_blocks for s in specs])
+    # a tier of 0 blocks holds nothing (the store's index reads 0 as "not bounded by us"):
+    # it is left out, and an empty first tier caches nothing at all
+    live = [t for t, s in enumerate(specs) if s.capacity_blocks] if specs[0].capacity_blocks else []
+    store = ModelStore(
+        [specs[t].capacity_blocks for t in live] or [0],
+        lambda t, _cap: build_policy(specs[live[t]], oracle),
+    )
     bt = trace.block_tokens
     n_req = len(trace.requests)
-    hits = [[0] * n_req for _ in range(n_tiers)]
+    hits = np.zeros((n_tiers, n_req), dtype=np.int64)
     block_hits = 0
-    cap0 = specs[0].capacity_blocks
-    requests = _served(trace, cap0, oracle, progress)
-    if n_tiers == 1:  # the common case: no tier below, residency read from the policy
-        block_hits = _serve_one_tier(
-            requests, bt, held.pols[0], cap0, hits[0], held.written, held.evicted, hints
-        )
-    else:
-        for i, req, chain in requests:
-            located = held.locate(req.blocks)  # (blocks past the chain: counted, not kept)
-            run = credit(located, req, bt, hits, i)
-            block_hits += run
-            hint = output_class(req.output_length, run > 0) if hints else None
-            held.serve(chain, located[: len(chain)], hint)
+    for i, req in enumerate(trace.requests):
+        if oracle is not None:
+            oracle.advance(i, req.blocks)
+        out = req.output_length
+
+        def hint(run: int, out: int = out) -> Hashable | None:
+            return output_class(out, run > 0) if hints else None
+
+        if not live:
+            continue
+        read = store.serve(req.blocks[: req.input_length // bt], hint)
+        if read:
+            block_hits += len(read)
+            for t in set(read):
+                hits[live[t], i] = bt * read.count(t)
+        if progress is not None and i & 255 == 255:
+            progress(i + 1)
     if progress is not None:
         progress(n_req)
     return ReplayResult(
         tiers=specs,
-        hit_tokens=np.array(hits, dtype=np.int64).reshape(n_tiers, n_req),
+        hit_tokens=hits,
         input_tokens=np.array([r.input_length for r in trace.requests], dtype=np.int64),
-        promoted_blocks=held.promoted,
-        written_blocks=held.written,
-        evicted_blocks=held.evicted,
+        promoted_blocks=_spread(store.promoted, live, n_tiers),
+        written_blocks=_spread(store.written, live, n_tiers),
+        evicted_blocks=_spread(store.evicted, live, n_tiers),
         block_hits=block_hits,
         block_refs=trace.block_events,
         hints=hints,
-        rankings=tuple(tier_ranking([p]) for p in held.pols),
     )
 
 
-def _served(
-    trace: Trace, cap: int, oracle: FutureOracle | None, progress: Callable[[int], None] | None
-) -> Iterator[tuple[int, Request, tuple[int, ...]]]:
-    """The trace's requests in order, each with its index and the chain the first tier keeps
-    (its leading ``cap`` blocks). Advances ``oracle`` before a request is served and reports
-    ``progress`` every 256 served."""
-    for i, req in enumerate(trace.requests):
-        if oracle is not None:
-            oracle.advance(i, req.blocks)
-        yield i, req, req.blocks if len(req.blocks) <= cap else req.blocks[:cap]
-        if progress is not None and i & 255 == 255:
-            progress(i + 1)
-
-
-def _serve_one_tier(
-    requests: Iterator[tuple[int, Request, tuple[int, ...]]],
-    bt: int,
-    pol: EvictionPolicy[int],
-    cap: int,
-    hits: list[int],
-    written: list[int],
-    evicted: list[int],
-    hints: bool,
-) -> int:
-    """``replay``'s loop for a single tier: the same decisions, with residency read from the
-    policy itself (``EvictionPolicy.resident``) instead of a key -> tier map. Fills ``hits``
-    (by request), ``written[0]`` and ``evicted[0]``; returns the block hits."""
-    resident = pol.resident()
-    is_resident = resident.__contains__
-    insert, evict = pol.insert, pol.evict
-    block_hits = n_written = n_evicted = 0
-    for i, req, chain in requests:
-        blocks = req.blocks
-        n = len(blocks)
-        # residency of the chain's blocks, read in one C-level pass: the leading run of
-        # resident blocks, and the new blocks (the missing ones, all after the run)
-        present = list(map(is_resident, chain))
-        n_new = present.count(False)
-        if n_new:
-            run = present.index(False)
-        else:
-            run = n_chain = len(chain)
-            for k in blocks[n_chain:]:  # beyond the tier's size: counted, not kept
-                if k not in resident:
-                    break
-                run += 1
-        hits[i] = bt * run + (req.input_length - bt * n if run == n and n else 0)
-        block_hits += run
-        hint = output_class(req.output_length, run > 0) if hints else None
-        if n_new:
-            need = len(pol) + n_new - cap
-            if need > 0:
-                victims = evict(need, not_in(chain) if n_new < len(chain) else always)
-                assert victims is not None, "policy refused to evict unpinned blocks"
-                n_evicted += len(victims)
-            n_written += n_new
-        insert(chain, hint)
-    written[0] += n_written
-    evicted[0] += n_evicted
-    return block_hits
-
-
-def credit(located: list[int | None], req: Request, bt: int, hits: list[list[int]], i: int) -> int:
-    """Credit request ``i``'s cached tokens to the tiers holding its leading run of blocks
-    (``located``: each block's tier before serving, None if absent) in ``hits[tier][i]``: each
-    block ``bt`` tokens, the last block of a fully cached request what is left of its input.
-    Returns the run's length in blocks."""
-    n = len(located)
-    run = located.index(None) if None in located else n
-    if run:
-        head = located[:run]
-        first = head.count(0)
-        hits[0][i] += bt * first
-        if first < run:  # some of the run sits below the first tier
-            for t in head:
-                if t:
-                    hits[t][i] += bt
-        if run == n:
-            hits[located[-1]][i] += req.input_length - bt * n  # type: ignore[index]
-    return run
+def _spread(counts: list[int], live: list[int], n: int) -> list[int]:
+    """Counters of the live tiers at their places among all ``n`` tiers (0 elsewhere)."""
+    out = [0] * n
+    for t, c in zip(live, counts, strict=False):
+        out[t] = c
+    return out

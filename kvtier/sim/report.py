@@ -19,17 +19,17 @@ from kvtier.sim.replay import ReplayResult
 from kvtier.sim.trace import Trace
 
 HIT_DEFINITION = (
-    "cached tokens = the leading run of a request's blocks present before it is served; each hit "
-    "block counts block_tokens tokens except the request's last block (input_length - "
-    "block_tokens*(n-1)); after serving all its blocks are inserted; token_hit_ratio = sum cached "
-    "tokens / sum input tokens"
+    "cached tokens = block_tokens x the leading run of a request's full blocks some tier holds "
+    "before it is served (the store's lookup; a partial block is never cached); then its full "
+    "blocks are stored as a TieredStore stores them (inclusive tiers); token_hit_ratio = sum "
+    "cached tokens / sum input tokens"
 )
 
 
 #: what the simulated engine tells the store about each request (``replay(hints=True)``)
 REUSE_HINTS = (
     "output length (25-token buckets) and whether the request extended a cached prefix, "
-    "given at store time (blocks stored when the request ends)"
+    "given at store time (the registry's policies ignore it)"
 )
 
 
@@ -60,12 +60,10 @@ def summarize(trace: Trace, hier: Hierarchy, res: ReplayResult) -> dict[str, Any
             node_watts += watts
         else:
             shared_watts += watts
-        ranking = res.rankings[t] if t < len(res.rankings) else None
         tiers.append(
             {
                 "name": tier.name,
                 "policy": spec.policy,
-                **({"ranking": ranking} if ranking is not None else {}),
                 "capacity_bytes": tier.capacity_bytes,
                 "capacity_blocks": spec.capacity_blocks,
                 "copies": copies,
@@ -154,10 +152,9 @@ def render(summary: dict[str, Any], title: str = "kvtier simulate") -> str:
     for col in ("tier", "policy", "capacity", "blocks", "hit ratio", "read", "written", "$/month"):
         table.add_column(col, justify="right")
     for t in summary["tiers"]:
-        ranking = t.get("ranking", "density")  # the default's fallback, when it took over
         table.add_row(
             t["name"],
-            t["policy"] + (f" ({ranking})" if ranking != "density" else ""),
+            t["policy"],
             (f"{t['copies']}x " if t["copies"] > 1 else "") + _gb(t["capacity_bytes"]),
             str(t["capacity_blocks"]),
             f"{t['token_hit_ratio']:.3f}",

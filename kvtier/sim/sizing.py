@@ -73,7 +73,7 @@ MAX_MARGIN = 0.64
 #: once one does, up to this margin to look for a cheaper answer (on the Mooncake trace with a
 #: 1 s SLO and 4 TB of DRAM, S3-FIFO's p90 at the cheapest answer was 0.994 s against an LRU
 #: estimate of 1.17 s, 18% more: 0.32 found it in 12 replays, 0.64 took 129, 0.16 missed it;
-#: with density, the default since, 0.32 finds $10,362 in 22, 0.64 the same in 140, 0.16 $11,167)
+#: with density, a later default, 0.32 found $10,362 in 22, 0.64 the same in 140, 0.16 $11,167)
 REFINE_MARGIN = 0.32
 I64 = npt.NDArray[np.int64]
 

@@ -1,4 +1,4 @@
-"""Exclusive tiers with demotion: the state the replay keeps for one hierarchy of tiers.
+"""Exclusive tiers with demotion: the tiers of a simulated cluster (``kvtier.sim.cluster``).
 
 A block lives in one tier of a ``TierChain`` at a time. Serving a request's chain (``serve``)
 promotes the blocks found below the first tier (they move up), computes the missing ones, and
@@ -6,8 +6,8 @@ tells the first tier's policy about the whole chain; room is made first (``evict
 chain pinned while part of it is resident), and victims are demoted one tier down, the last tier
 dropping them. A demotion larger than a tier passes its excess on down (an empty tier passes
 all). ``locate`` reads where the chain's blocks are *before* serving, so the caller credits hits
-to the tier that held each block (``kvtier.sim.replay`` for one node, ``kvtier.sim.cluster`` for
-each node and the shared tiers).
+to the tier that held each block (``kvtier.sim.cluster``, for each node and the shared tiers).
+One-node replays run the store's own decisions instead (``kvtier.sim.storemodel``).
 """
 
 from __future__ import annotations
@@ -22,12 +22,9 @@ class TierChain:
     """Exclusive tiers, fastest first, each with its own policy (module docstring)."""
 
     def __init__(self, pols: Sequence[EvictionPolicy[int]], caps: Sequence[int]) -> None:
-        """``pols[t]`` tracks tier ``t`` of ``caps[t]`` blocks; a lower tier's policy is told it
-        is fed by the demotions of the one above (``feed_by_demotion``)."""
+        """``pols[t]`` tracks tier ``t`` of ``caps[t]`` blocks."""
         self.pols = list(pols)
         self.caps = list(caps)
-        for t in range(1, len(self.pols)):  # an insert there is a batch of victims, not a chain
-            self.pols[t] = self.pols[t].feed_by_demotion(self.pols[t - 1])
         self.where: dict[int, int] = {}  # resident block -> its tier
         n = len(self.pols)
         self.promoted = [0] * n  # blocks read out of tier t (t > 0) and moved up

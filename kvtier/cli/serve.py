@@ -1,0 +1,47 @@
+"""``kvtier serve --config kvtier.toml [--url unix:///path.sock]``: run the node-local service.
+
+Builds the store from the config's ``[store]``/``[[tiers]]``, serves it on ``[service] url`` (or
+``--url``) until SIGTERM/SIGINT, then closes the store (volatile blocks are written down to the
+persistent tier, so a restarted service finds them). See ``kvtier.service``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import tomllib
+from pathlib import Path
+
+from kvtier.errors import ConfigError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", required=True, help="kvtier TOML ([store], [[tiers]], [service])"
+    )
+    parser.add_argument("--url", default=None, help="unix:///path/kvtier.sock (overrides the TOML)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtier.service.config import ServiceConfig
+    from kvtier.service.scoped import ServiceStore
+    from kvtier.service.server import Service
+
+    try:
+        raw = tomllib.loads(Path(args.config).read_text())
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {args.config}: {exc}") from None
+    cfg = ServiceConfig.from_dict(raw, args.url)
+    store = ServiceStore.from_config(args.config)
+    assert isinstance(store, ServiceStore)
+    service = Service(store, cfg)
+    try:
+        service.bind()  # a busy or foreign socket fails before anything is served
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: service.stop())
+        print(f"kvtier serve: serving {cfg.url}", file=sys.stderr, flush=True)
+        service.serve()
+    finally:
+        store.close()
+    return 0

@@ -1,0 +1,91 @@
+"""``ServiceConfig``: the ``[service]`` table of a kvtier TOML.
+
+Example::
+
+    [service]
+    url = "unix:///run/kvtier/kvtier.sock"   # where `kvtier serve` listens, clients connect
+    group = "kvtier"        # optional: the socket (and staging regions) are 0660 for this group
+    staging = "64MiB"       # shared staging region per client session (bounds one transfer)
+    lease_ttl = 10.0        # seconds: a silent client's pins and leases are released after it
+    timeout = 5.0           # seconds: a client call waits at most this long, then is a miss
+    threads = 4             # service threads running loads and stores
+
+The rest of the file (``[store]``, ``[[tiers]]``) configures the store the service runs.
+"""
+
+from __future__ import annotations
+
+import grp
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtier.config import check_keys, parse_float, parse_int, parse_size
+from kvtier.errors import ConfigError
+from kvtier.service.protocol import socket_path
+
+DEFAULT_URL = "unix:///run/kvtier/kvtier.sock"
+_KEYS = {"url", "group", "staging", "lease_ttl", "timeout", "threads"}
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    """Validated ``[service]`` settings (sizes in bytes, times in seconds)."""
+
+    url: str = DEFAULT_URL
+    group: str = ""
+    staging: int = 64 << 20
+    lease_ttl: float = 10.0
+    timeout: float = 5.0
+    threads: int = 4
+    token_area: int = 4 << 20  # bytes per session for token ids (1M tokens); longer: a frame
+
+    def __post_init__(self) -> None:
+        socket_path(self.url)  # validates the URL
+        if self.lease_ttl <= self.timeout:
+            raise ConfigError(
+                f"[service] lease_ttl ({self.lease_ttl} s) must exceed timeout "
+                f"({self.timeout} s): a client waiting on a call must not lose its leases"
+            )
+
+    @property
+    def gid(self) -> int | None:
+        """The socket group's id (``None`` for owner-only); ``ConfigError`` if unknown."""
+        if not self.group:
+            return None
+        try:
+            return grp.getgrnam(self.group).gr_gid
+        except KeyError:
+            raise ConfigError(f"[service] group {self.group!r} does not exist") from None
+
+    @staticmethod
+    def from_dict(raw: Mapping[str, Any], url: str | None = None) -> ServiceConfig:
+        """The ``[service]`` table of a whole config mapping; ``url`` overrides its url."""
+        table = raw.get("service", {})
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"[service] must be a table, got {table!r}")
+        check_keys("service", table, _KEYS)
+        out = ServiceConfig(
+            url=url or str(table.get("url", DEFAULT_URL)),
+            group=str(table.get("group", "")),
+            staging=parse_size(table.get("staging", "64MiB"), "[service] staging"),
+            lease_ttl=parse_float(table.get("lease_ttl", 10.0), "[service] lease_ttl", 0.1),
+            timeout=parse_float(table.get("timeout", 5.0), "[service] timeout", 0.01),
+            threads=parse_int(table.get("threads", 4), "[service] threads", 1, 256),
+        )
+        if out.staging < 1 << 16:
+            raise ConfigError(f"[service] staging: at least 64KiB, got {out.staging} bytes")
+        return out
+
+    @staticmethod
+    def from_file(path: str | Path, url: str | None = None) -> ServiceConfig:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config file {path}: {exc}") from None
+        try:
+            return ServiceConfig.from_dict(raw, url)
+        except ConfigError as exc:
+            raise ConfigError(f"config file {path}: {exc}") from None

@@ -1,0 +1,70 @@
+"""``ServiceStore``: a ``TieredStore`` whose calls run under the identity of the calling client.
+
+The service serves many engines, each with its own ``Identity`` (model, revision, rank, engine
+layout): a request's namespace is derived from the identity its *session* registered, never from
+anything the request says. ``using(identity)`` sets that identity for the calling thread (a
+context variable), and ``namespace`` -- the one place every store path derives its keys from --
+reads it. Outside ``using`` the store's own identity applies (the ``[store]`` model_id).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from contextvars import ContextVar
+from typing import Any
+
+from kvtier.identity import Identity, Scope
+from kvtier.keys import Namespace
+from kvtier.store import TieredStore
+
+_CALLER: ContextVar[Identity | None] = ContextVar("kvtier_service_identity", default=None)
+_NAMESPACES = 4096  # bound on the cache (per-request salts are many)
+
+
+class ServiceStore(TieredStore):
+    """A ``TieredStore`` that derives keys from the calling session's identity. Thread-safe."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._scoped: dict[tuple[Identity, str, str | None, str | bytes | None], Namespace] = {}
+        self._scoped_lock = threading.Lock()
+
+    @staticmethod
+    @contextlib.contextmanager
+    def using(identity: Identity) -> Iterator[None]:
+        """Run the enclosed calls (this thread only) under ``identity``."""
+        token = _CALLER.set(identity)
+        try:
+            yield
+        finally:
+            _CALLER.reset(token)
+
+    def namespace(
+        self,
+        tenant: str | None = None,
+        adapter: str | None = None,
+        salt: str | bytes | None = None,
+    ) -> Namespace:
+        """As ``TieredStore.namespace``, under the caller's identity when one is set."""
+        identity = _CALLER.get()
+        if identity is None:
+            return super().namespace(tenant, adapter, salt)
+        name = self.tenant if tenant is None else tenant
+        memo = (identity, name, adapter, salt)
+        with self._scoped_lock:
+            ns = self._scoped.get(memo)
+        if ns is None:
+            ns = Namespace(
+                identity,
+                self.layout,
+                Scope(name, adapter, salt),
+                self._share_groups.get(name),
+                self._secret,
+            )
+            with self._scoped_lock:
+                if len(self._scoped) >= _NAMESPACES:
+                    self._scoped.clear()
+                self._scoped[memo] = ns
+        return ns

@@ -1,0 +1,460 @@
+"""``Service``: a ``ServiceStore`` behind a ZeroMQ ROUTER socket on a unix socket.
+
+One thread owns the socket: it receives every request, answers the cheap ones itself (hello,
+lookup, lease, release, prefetch, stats, heartbeat) and hands loads and stores to a pool of
+threads, whose replies come back to it over an in-process socket (a ZeroMQ socket is used by one
+thread only). KV bytes move between the store and the client's staging region
+(``kvtier.service.staging``), never over the socket. Between polls it expires sessions whose
+client went silent (``kvtier.service.sessions``).
+
+Startup refuses to share a socket: ``<socket>.lock`` is held (``flock``) for the service's life,
+so a second service on the same URL fails with ``ConfigError`` naming the first one's pid; a
+socket file left by a service that died is detected (nothing accepts on it) and replaced; the
+socket is created owner-only (0600, or 0660 with ``[service] group``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import itertools
+import logging
+import os
+import secrets
+import socket
+import stat
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import zmq
+
+from kvtier.errors import ConfigError, KVTierError, TokenError
+from kvtier.identity import Identity
+from kvtier.service.config import ServiceConfig
+from kvtier.service.protocol import VERSION, error_reply, pack, socket_path, unpack
+from kvtier.service.scoped import ServiceStore
+from kvtier.service.sessions import Session
+from kvtier.service.staging import Staging
+
+log = logging.getLogger(__name__)
+_REPLIES = "inproc://kvtier-service-replies"
+_WORKER_OPS = frozenset({"load", "store", "flush"})
+
+
+def _probe(path: str) -> bool:
+    """True if something accepts connections on the unix socket ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError:
+            return True  # e.g. EACCES: it is there and alive, we may just not reach it
+        return True
+
+
+class _SocketLock:
+    """``<socket>.lock``, held with ``flock`` while the service runs (holds our pid)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path + ".lock"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ConfigError(
+                f"another kvtier service (pid {other}) is serving {path}; stop it, or give this "
+                "one another [service] url / --url"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class Service:
+    """Serve ``store`` on ``config.url`` until ``stop()``. Call ``serve()`` on one thread.
+
+    ``bind()`` (also done by ``serve``) claims the socket; its errors are ``ConfigError``."""
+
+    def __init__(self, store: ServiceStore, config: ServiceConfig) -> None:
+        self.store = store
+        self.config = config
+        self.path = socket_path(config.url)
+        self._ctx = zmq.Context()
+        self._router: zmq.Socket[bytes] | None = None
+        self._lock: _SocketLock | None = None
+        self._sessions: dict[bytes, Session] = {}
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="kvtier-service")
+        self._local = threading.local()
+        self._pushes: list[zmq.Socket[bytes]] = []
+        self._pushes_lock = threading.Lock()
+        self._handlers: dict[str, Callable[[Session, dict[str, Any], Any], dict[str, Any]]] = {
+            "lookup": self._lookup,
+            "locate": self._locate,
+            "load": self._load,
+            "store": self._store,
+            "prefetch": self._prefetch,
+            "lease": self._lease,
+            "release": self._release,
+            "stats": self._stats,
+            "ping": lambda s, h, t: {},
+            "attach": self._attach,
+            "flush": self._flush,
+            "bye": self._bye,
+        }
+        self.ready = threading.Event()
+        self._numbers = itertools.count(1)
+
+    # -- socket ----------------------------------------------------------------------------
+    def bind(self) -> None:
+        """Claim the socket path (lock, stale-socket check, owner-only bind)."""
+        if self._router is not None:
+            return
+        path = self.path
+        parent = os.path.dirname(path)
+        gid = self.config.gid
+        if not os.path.isdir(parent):
+            os.makedirs(parent, mode=0o750 if gid is not None else 0o700, exist_ok=True)
+        self._lock = _SocketLock(path)
+        try:
+            if os.path.lexists(path):
+                if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                    raise ConfigError(
+                        f"{path} exists and is not a socket; remove it or choose another url"
+                    )
+                if _probe(path):
+                    raise ConfigError(
+                        f"a process that is not a kvtier service is listening on {path}; stop "
+                        "it or choose another url"
+                    )
+                log.warning("removing the stale socket %s (its service is gone)", path)
+                os.unlink(path)
+            router = self._ctx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # replies to a dead client are dropped
+            old = os.umask(0o177)  # the socket is born owner-only: no window for others
+            try:
+                router.bind("ipc://" + path)
+            finally:
+                os.umask(old)
+            if gid is not None:
+                os.chown(path, -1, gid)
+                os.chmod(path, 0o660)
+            self._router = router
+        except BaseException:
+            self._lock.release()
+            self._lock = None
+            raise
+
+    def stop(self) -> None:
+        """Ask ``serve`` to return (thread- and signal-safe)."""
+        self._stop.set()
+
+    def serve(self) -> None:
+        """Run the socket loop until ``stop()``; then close sessions and the socket (the store
+        stays open: its owner closes it)."""
+        self.bind()
+        router = self._router
+        assert router is not None
+        replies = self._ctx.socket(zmq.PULL)
+        replies.bind(_REPLIES)
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(replies, zmq.POLLIN)
+        tick = max(10, int(self.config.lease_ttl * 250))  # ms: expiry is checked 4x per TTL
+        self.ready.set()
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(tick))
+                if router in events:
+                    while True:
+                        try:
+                            frames = router.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        try:
+                            self._handle(frames)
+                        except Exception:  # a malformed request must not stop the service
+                            log.exception("dropping a request that could not be handled")
+                if replies in events:
+                    while True:
+                        try:
+                            out = replies.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        router.send_multipart(out)
+                self._expire()
+        finally:
+            self._pool.shutdown(wait=True)
+            for push in self._pushes:  # the workers are gone: close their sockets here
+                push.close(0)
+            while True:  # replies of the last loads and stores: nobody waits for them now
+                try:
+                    replies.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+            for s in list(self._sessions.values()):
+                s.close()
+            self._sessions.clear()
+            replies.close(0)
+            router.close(0)
+            self._router = None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            if self._lock is not None:
+                self._lock.release()
+            self._ctx.term()
+
+    # -- dispatch --------------------------------------------------------------------------
+    def _handle(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            return
+        peer, head = frames[0], frames[1]
+        try:
+            req = unpack(head)
+        except ValueError:
+            log.warning("dropping a malformed request")
+            return
+        tokens = frames[2] if len(frames) > 2 else req.pop("tokens", b"")
+        req_id = req.get("id", 0)
+        op = req.get("op")
+        if op == "hello":
+            self._reply(peer, self._hello(req, req_id, peer))
+            return
+        session = self._sessions.get(req.get("sid", b""))
+        if session is not None and session.peer != peer:
+            session = None  # a session is good only on the connection that opened it
+        if session is None:  # never registered, or expired: the client says hello again
+            self._reply(peer, {"id": req_id, "error": "session", "message": "unknown session"})
+            return
+        session.last_seen = time.monotonic()
+        handler = self._handlers.get(str(op))
+        if handler is None:
+            self._reply(peer, {"id": req_id, "error": "ConfigError", "message": f"no op {op!r}"})
+            return
+        if op in _WORKER_OPS:
+            with session.lock:
+                session.inflight += 1
+            self._pool.submit(self._work, peer, session, handler, req, tokens)
+        else:
+            self._reply(peer, self._call(session, handler, req, tokens))
+
+    def _call(
+        self,
+        session: Session,
+        handler: Callable[[Session, dict[str, Any], Any], dict[str, Any]],
+        req: dict[str, Any],
+        tokens: Any,
+    ) -> dict[str, Any]:
+        req_id = req.get("id", 0)
+        t0 = time.perf_counter()
+        try:
+            if "tok" in req:  # a long prompt's ids, in the session's staging token area
+                tokens = session.staging.tokens(int(req["tok"]))
+            with ServiceStore.using(session.identity):
+                out = handler(session, req, tokens)
+        except KVTierError as exc:
+            return error_reply(req_id, exc)
+        except Exception as exc:  # a fault here is a miss for the client, never a crash
+            log.exception("service: %s failed", req.get("op"))
+            return error_reply(req_id, exc)
+        session.count(
+            str(req.get("op")),
+            time.perf_counter() - t0,
+            int(out.pop("_tokens", 0)),
+            int(out.pop("_bytes", 0)),
+        )
+        out["id"] = req_id
+        return out
+
+    def _work(
+        self,
+        peer: bytes,
+        session: Session,
+        handler: Callable[[Session, dict[str, Any], Any], dict[str, Any]],
+        req: dict[str, Any],
+        tokens: Any,
+    ) -> None:
+        try:
+            reply = self._call(session, handler, req, tokens)
+            push = getattr(self._local, "push", None)
+            if push is None:  # one per worker thread: a ZeroMQ socket is single-threaded
+                push = self._local.push = self._ctx.socket(zmq.PUSH)
+                push.setsockopt(zmq.LINGER, 0)
+                push.connect(_REPLIES)
+                with self._pushes_lock:
+                    self._pushes.append(push)
+            push.send_multipart([peer, pack(reply)])
+        finally:
+            with session.lock:
+                session.inflight -= 1
+
+    def _reply(self, peer: bytes, reply: dict[str, Any]) -> None:
+        assert self._router is not None
+        self._router.send_multipart([peer, pack(reply)])
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for sid, s in list(self._sessions.items()):
+            if s.expired(now, self.config.lease_ttl):
+                log.info("session %d (pid %d) went silent: releasing it", s.number, s.pid)
+                del self._sessions[sid]
+                s.close()
+
+    # -- operations ------------------------------------------------------------------------
+    def _hello(self, req: dict[str, Any], req_id: int, peer: bytes) -> dict[str, Any]:
+        try:
+            if req.get("version") != VERSION:
+                raise ConfigError(
+                    f"client speaks protocol {req.get('version')!r}, this service {VERSION}: "
+                    "run the same kvtier version on both sides"
+                )
+            fields = req.get("identity")
+            if fields is None:
+                identity = self.store.identity
+            elif isinstance(fields, dict):
+                try:
+                    identity = Identity(**fields)
+                except TypeError as exc:
+                    raise ConfigError(f"identity: {exc}") from None
+            else:
+                raise ConfigError(f"identity: expected a map, got {fields!r}")
+            tenant = req.get("tenant") or self.store.tenant
+            self.store.namespace(tenant)  # validates the tenant name
+            staging = Staging.create(
+                self.config.staging, self.config.token_area, gid=self.config.gid
+            )
+        except KVTierError as exc:
+            return error_reply(req_id, exc)
+        sid = secrets.token_bytes(16)
+        pid = req.get("pid", 0)
+        name = req.get("name", "")
+        self._sessions[sid] = Session(
+            sid,
+            identity,
+            tenant,
+            staging,
+            pid=pid if isinstance(pid, int) else 0,
+            name=name if isinstance(name, str) else "",
+            peer=peer,
+            number=next(self._numbers),
+        )
+        lay = self.store.layout
+        return {
+            "id": req_id,
+            "sid": sid,
+            "layout": {
+                "layers": lay.layers,
+                "kv_heads": lay.kv_heads,
+                "head_dim": lay.head_dim,
+                "dtype": lay.dtype,
+                "kv_factor": lay.kv_factor,
+                "block_tokens": lay.block_tokens,
+            },
+            "staging": staging.path,
+            "staging_bytes": staging.nbytes,
+            "kv_bytes": staging.kv_bytes,
+            "lease_ttl": self.config.lease_ttl,
+            "tenant": tenant,
+            "identity": identity.describe(),
+        }
+
+    def _attach(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
+        s.staging.unlink()  # both sides have it mapped: the name is no longer needed
+        return {}
+
+    def _bye(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
+        self._sessions.pop(s.sid, None)
+        s.close()
+        return {}
+
+    @staticmethod
+    def _tokens(raw: object) -> Any:
+        if isinstance(raw, np.ndarray):  # a view of the staging token area (uint32 already)
+            return raw
+        if not isinstance(raw, bytes) or len(raw) % 4:
+            raise TokenError("token ids must arrive as little-endian uint32 bytes")
+        return np.frombuffer(raw, dtype="<u4")
+
+    @staticmethod
+    def _scope(req: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "tenant": req.get("tenant"),
+            "adapter": req.get("adapter"),
+            "salt": req.get("salt"),
+            "start": req.get("start", 0),
+        }
+
+    def _lookup(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
+        end = self.store.lookup(self._tokens(tokens), **self._scope(req))
+        return {"end": end, "_tokens": end - req.get("start", 0)}
+
+    def _locate(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
+        return {"tiers": self.store.locate(self._tokens(tokens), **self._scope(req))}
+
+    def _prefetch(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
+        return {"tokens": self.store.prefetch(self._tokens(tokens), **self._scope(req))}
+
+    def _load(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
+        out = s.staging.view(self.store.layout, req["off"], req["n"])
+        end = self.store.load(self._tokens(tokens), out, **self._scope(req))
+        got = end - req.get("start", 0)
+        return {"end": end, "_tokens": got, "_bytes": got * self.store.layout.bytes_per_token}
+
+    def _store(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
+        kv = s.staging.view(self.store.layout, req["off"], req["n"])
+        reuse = req.get("reuse_class")
+        written = self.store.store(
+            self._tokens(tokens),
+            kv,
+            reuse_class=tuple(reuse) if isinstance(reuse, list) else reuse,
+            **self._scope(req),
+        )
+        out = {
+            "written": written,
+            "_tokens": written,
+            "_bytes": written * self.store.layout.bytes_per_token,
+        }
+        if req.get("hold"):
+            # a chunk of a larger store: hold it so the chunks after it cannot evict it
+            # (as one in-process call holds its own blocks); released at the call's end
+            held = self.store.lease(self._tokens(tokens), **self._scope(req))
+            out["lid"] = s.add_lease(held)
+        return out
+
+    def _lease(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
+        lease = self.store.lease(self._tokens(tokens), **self._scope(req))
+        lid = s.add_lease(lease)
+        return {"lid": lid, "start": lease.start, "end": lease.end, "_tokens": lease.tokens}
+
+    def _release(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
+        lids = req.get("lids", [req.get("lid", 0)])
+        return {"released": sum(s.release(int(lid)) for lid in lids)}
+
+    def _flush(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
+        timeout = req.get("timeout")
+        self.store.flush(float(timeout) if isinstance(timeout, int | float) else None)
+        return {}
+
+    def _stats(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
+        stats = self.store.stats()
+        stats["service"] = {
+            "url": self.config.url,
+            "pid": os.getpid(),
+            # numbered, never by id: a session id is the client's credential
+            "sessions": {str(x.number): x.describe() for x in list(self._sessions.values())},
+        }
+        return {"stats": stats}

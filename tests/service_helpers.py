@@ -1,0 +1,164 @@
+"""Real ``kvtier serve`` processes and client processes for the service tests and bench.
+
+``ServiceProc`` writes a config and runs ``python -m kvtier.cli.main serve`` in a subprocess;
+``prompt(i, n)`` is a deterministic prompt and its KV, so any process can check bytes it loads.
+``tests/service_client.py`` is the client process these tests start and kill.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.layout import KVLayout
+
+LAYOUT = KVLayout(layers=2, kv_heads=2, head_dim=16, block_tokens=16)
+HF_BLOCK_TOKENS = 16
+ROOT = Path(__file__).resolve().parent.parent
+CLIENT = Path(__file__).resolve().parent / "service_client.py"
+
+
+def env() -> dict[str, str]:
+    out = dict(os.environ)
+    out["PYTHONPATH"] = str(ROOT) + os.pathsep + out.get("PYTHONPATH", "")
+    return out
+
+
+def prompt(
+    i: int, n: int, layout: KVLayout = LAYOUT
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """Prompt ``i``: ``n`` token ids and their KV (both a pure function of ``i`` and ``n``)."""
+    rng = np.random.default_rng(1000 + i)
+    tokens = rng.integers(0, 50_000, n).astype(np.int64)
+    kv = rng.standard_normal(layout.kv_shape(n)).astype(np.float16)
+    return tokens, kv
+
+
+class ServiceProc:
+    """A ``kvtier serve`` subprocess on a short socket path under a private temp directory."""
+
+    def __init__(
+        self,
+        *,
+        host: str = "1MiB",
+        nvme: str | None = None,
+        lease_ttl: float = 3.0,
+        timeout: float = 2.0,
+        staging: str = "64KiB",
+        layout: KVLayout = LAYOUT,
+        root: str | None = None,
+        group: str = "",
+    ) -> None:
+        self.dir = root or tempfile.mkdtemp(prefix="kvt", dir="/tmp")
+        self.sock = os.path.join(self.dir, "kv.sock")
+        self.url = "unix://" + self.sock
+        self.timeout = timeout
+        tiers = f'[[tiers]]\nkind = "host"\ncapacity = "{host}"\n'
+        if nvme:
+            tiers += (
+                f'[[tiers]]\nkind = "nvme"\ncapacity = "{nvme}"\n'
+                f'paths = ["{self.dir}/nvme"]\no_direct = "never"\n'
+            )
+        self.config = os.path.join(self.dir, "kvtier.toml")
+        Path(self.config).write_text(
+            f'[store]\nmodel_id = "test/model"\nlayers = {layout.layers}\n'
+            f"kv_heads = {layout.kv_heads}\nhead_dim = {layout.head_dim}\n"
+            f'block_tokens = {layout.block_tokens}\ndtype = "{layout.dtype}"\n'
+            f'{tiers}[service]\nurl = "{self.url}"\nstaging = "{staging}"\n'
+            f"lease_ttl = {lease_ttl}\ntimeout = {timeout}\n"
+            + (f'group = "{group}"\n' if group else "")
+        )
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = os.path.join(self.dir, "serve.log")
+
+    def start(self, wait: bool = True) -> subprocess.Popen[bytes]:
+        """Start the service; with ``wait``, until it serves (``RuntimeError`` if it exits)."""
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvtier.cli.main", "serve", "--config", self.config],
+                env=env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        if wait:
+            deadline = time.monotonic() + 30
+            while b"serving" not in Path(self.log).read_bytes():
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"kvtier serve did not start: {self.output()}")
+                time.sleep(0.05)
+        return self.proc
+
+    def output(self) -> str:
+        return Path(self.log).read_text(errors="replace")
+
+    def kill(self) -> None:
+        """``kill -9`` (the socket file is left behind, as after a crash)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+SPAWNED: list[subprocess.Popen[str]] = []  # client processes, killed by ``kill_spawned``
+
+
+def client_proc(*args: object) -> subprocess.Popen[str]:
+    """A ``tests/service_client.py`` process; its stdout lines report progress."""
+    proc = subprocess.Popen(
+        [sys.executable, str(CLIENT), *map(str, args)],
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    SPAWNED.append(proc)
+    return proc
+
+
+def kill_spawned() -> None:
+    """Kill every client process still running (a failed test leaves none behind)."""
+    while SPAWNED:
+        kill9(SPAWNED.pop())
+
+
+def wait_line(proc: subprocess.Popen[str], word: str, timeout: float = 30.0) -> str:
+    """Read ``proc``'s stdout until a line starting with ``word``; ``RuntimeError`` if it ends."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            err = proc.stderr.read() if proc.stderr else ""
+            raise RuntimeError(f"client exited ({proc.wait()}) before {word!r}: {err}")
+        if line.startswith(word):
+            return line.strip()
+    raise RuntimeError(f"no {word!r} from the client in {timeout} s")
+
+
+def kill9(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    for f in (proc.stdout, proc.stderr):
+        if f is not None:
+            f.close()

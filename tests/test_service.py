@@ -1,0 +1,381 @@
+"""The node-local service with real processes: ``kvtier serve`` and client processes sharing it,
+killed with SIGKILL mid-transfer, a service killed and restarted, foreign identities, a busy or
+stale socket."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+pytest.importorskip("zmq")
+
+from kvtier.errors import ConfigError, LayoutError, TokenError
+from kvtier.open import open_store
+from kvtier.service.client import ServiceClient, connect
+from kvtier.store import TieredStore
+from tests.service_helpers import (
+    LAYOUT,
+    ServiceProc,
+    client_proc,
+    env,
+    kill9,
+    kill_spawned,
+    prompt,
+    wait_line,
+)
+
+BT = LAYOUT.block_tokens
+
+
+def until(cond: Callable[[], bool], timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+@pytest.fixture(autouse=True)
+def _no_client_left() -> Iterator[None]:
+    yield
+    kill_spawned()
+
+
+@pytest.fixture
+def service() -> Iterator[ServiceProc]:
+    svc = ServiceProc(host="256KiB", lease_ttl=3.0, timeout=1.0)  # 64 blocks of 4 KiB
+    svc.start()
+    yield svc
+    svc.cleanup()
+
+
+@pytest.fixture
+def client(service: ServiceProc) -> Iterator[ServiceClient]:
+    with connect(service.url, timeout=service.timeout) as c:
+        yield c
+
+
+def sessions(c: ServiceClient) -> dict[str, dict[str, object]]:
+    out: dict[str, dict[str, object]] = c.stats()["service"]["sessions"]
+    return out
+
+
+def test_socket_is_owner_only(service: ServiceProc) -> None:
+    mode = os.stat(service.sock).st_mode
+    assert stat.S_ISSOCK(mode) and mode & 0o777 == 0o600
+
+
+def test_socket_group_is_configurable() -> None:
+    import grp
+
+    group = grp.getgrgid(os.getgid()).gr_name
+    svc = ServiceProc(group=group)
+    try:
+        svc.start()
+        st = os.stat(svc.sock)
+        assert st.st_mode & 0o777 == 0o660 and st.st_gid == os.getgid()
+        with connect(svc.url, timeout=2.0) as c:
+            assert c.connected
+    finally:
+        svc.cleanup()
+
+
+def test_two_processes_share_a_prefix_byte_identical(
+    service: ServiceProc, client: ServiceClient
+) -> None:
+    writer = client_proc(service.url, "store", 0, 2, 10 * BT + 5)
+    wait_line(writer, "done")
+    kill9(writer)
+    reader = client_proc(service.url, "load", 0, 2, 10 * BT + 5)
+    assert wait_line(reader, "loaded 0") == f"loaded 0 {10 * BT}"  # checked byte for byte
+    assert wait_line(reader, "loaded 1") == f"loaded 1 {10 * BT}"
+    kill9(reader)
+    tokens, kv = prompt(0, 10 * BT + 5)  # and in this process, from an offset
+    out = np.zeros(LAYOUT.kv_shape(6 * BT), np.float16)
+    assert client.load(tokens, out, start=4 * BT) == 10 * BT
+    assert np.array_equal(out, kv[:, :, 4 * BT : 10 * BT])
+
+
+def test_store_and_load_from_the_staging_buffer(client: ServiceClient) -> None:
+    tokens, kv = prompt(7, 8 * BT)
+    buf = client.buffer(8 * BT)  # the engine gathers straight into the shared region
+    buf[...] = kv
+    assert client.store(tokens, buf) == 8 * BT
+    buf[...] = 0
+    assert client.load(tokens, buf) == 8 * BT
+    assert np.array_equal(buf, kv)
+    # larger than the staging region (64 KiB = 16 blocks): chunked, same bytes
+    tokens, kv = prompt(8, 40 * BT)
+    assert client.store(tokens, kv) == 40 * BT
+    assert [s["leases"] for s in sessions(client).values()] == [0]  # chunk holds released
+    out = np.zeros_like(kv)
+    assert client.load(tokens, out) == 40 * BT
+    assert np.array_equal(out, kv)
+
+
+def test_long_prompt_from_an_offset(client: ServiceClient) -> None:
+    # 77 KiB of token ids: they travel in the staging token area, not in a socket frame
+    tokens, _ = prompt(10, 1216 * BT)
+    _, kv = prompt(11, 16 * BT)
+    start = 1200 * BT  # the engine holds the prefix; only the tail goes to the service
+    assert client.store(tokens, kv, start=start) == 16 * BT
+    assert client.lookup(tokens, start=start) == 1216 * BT
+    assert client.lookup(tokens) == 0  # the prefix itself was never stored
+    out = np.zeros_like(kv)
+    assert client.load(tokens, out, start=start) == 1216 * BT
+    assert np.array_equal(out, kv)
+    other = tokens.copy()
+    other[5] += 1  # another prefix: other keys for the same tail
+    assert client.lookup(other, start=start) == start
+
+
+def test_open_store_picks_the_mode_from_config(service: ServiceProc) -> None:
+    tokens, kv = prompt(12, 2 * BT)
+    with open_store(service.config, layout=LAYOUT) as remote:  # [service] url: a client
+        assert isinstance(remote, ServiceClient)
+        assert remote.store(tokens, kv) == 2 * BT
+    local_cfg = {
+        "store": {
+            "model_id": "test/model",
+            "layers": 2,
+            "kv_heads": 2,
+            "head_dim": 16,
+            "block_tokens": BT,
+        },
+        "tiers": [{"kind": "host", "capacity": "1MiB"}],
+    }
+    with open_store(local_cfg) as local:  # no url: in-process, its own (empty) cache
+        assert isinstance(local, TieredStore) and local.lookup(tokens) == 0
+
+
+def test_another_identity_gets_no_hits(service: ServiceProc, client: ServiceClient) -> None:
+    tokens, kv = prompt(1, 4 * BT)
+    assert client.store(tokens, kv) == 4 * BT
+    assert client.lookup(tokens) == 4 * BT
+    other = client_proc(service.url, "model", "other/model", 1, 4 * BT)
+    assert wait_line(other, "lookup") == "lookup 0"
+    assert wait_line(other, "load") == "load 0"
+    kill9(other)
+    with connect(service.url, model_id="test/model", revision="v2") as c2:
+        assert c2.lookup(tokens) == 0
+    assert client.lookup(tokens, tenant="bob") == 0  # tenants stay apart too
+
+
+def test_caller_mistakes_raise_the_same_errors(client: ServiceClient) -> None:
+    tokens, kv = prompt(2, 2 * BT)
+    with pytest.raises(TokenError):
+        client.lookup([-1] * BT)
+    with pytest.raises(LayoutError):
+        client.store(tokens, kv.astype(np.float32))
+    with pytest.raises(LayoutError):
+        client.load(tokens, np.zeros(LAYOUT.kv_shape(BT), np.float16))
+    with pytest.raises(ConfigError):  # raised by the service, re-raised here
+        client.lookup(tokens, tenant="")
+    assert client.lookup(tokens) == 0  # nothing was stored
+    with pytest.raises(LayoutError):
+        connect(client.url, layout=LAYOUT.__class__(layers=3, kv_heads=2, head_dim=16))
+
+
+def test_killed_client_releases_its_lease(service: ServiceProc, client: ServiceClient) -> None:
+    holder = client_proc(service.url, "lease", 3, 56 * BT)  # pins 56 of the 64 slots
+    assert wait_line(holder, "held") == f"held {56 * BT}"
+    assert [s["leases"] for s in sessions(client).values() if s["name"] == "test-lease"] == [1]
+    tokens, kv = prompt(4, 16 * BT)  # one staging region's worth: a single call
+    assert client.store(tokens, kv) == 8 * BT  # only the unpinned room
+    kill9(holder)
+    assert until(lambda: all(s["name"] != "test-lease" for s in sessions(client).values()))
+    assert client.store(tokens, kv) == 8 * BT  # the pins are gone: the rest fits now
+    assert client.lookup(tokens) == 16 * BT
+
+
+def test_client_killed_mid_store_and_mid_load(service: ServiceProc, client: ServiceClient) -> None:
+    n = 6 * BT + 3
+    writer = client_proc(service.url, "store", 100, 0, n)  # stores until killed
+    wait_line(writer, "stored 102")
+    reader = client_proc(service.url, "load", 100, 0, n)  # loads until killed
+    wait_line(reader, "loaded 101")
+    kill9(writer)
+    kill9(reader)
+    # every visible block is whole: whatever a lookup promises loads verified, byte-identical
+    for i in range(100, 140):
+        tokens, kv = prompt(i, n)
+        out = np.zeros_like(kv)
+        end = client.load(tokens, out)
+        assert np.array_equal(out[:, :, :end], kv[:, :, :end]), i
+    assert until(lambda: {str(s["name"]) for s in sessions(client).values()} == {""})
+    tokens, kv = prompt(200, 4 * BT)  # the service serves on, for everyone
+    assert client.store(tokens, kv) == 4 * BT and client.lookup(tokens) == 4 * BT
+
+
+def test_service_killed_and_restarted_serves_misses_then_warm_hits() -> None:
+    svc = ServiceProc(host="64KiB", nvme="1MiB", lease_ttl=2.0, timeout=1.0)  # 16 host slots
+    try:
+        svc.start()
+        c = connect(svc.url, timeout=svc.timeout, layout=LAYOUT)
+        tokens, kv = prompt(5, 8 * BT)
+        assert c.store(tokens, kv) == 8 * BT
+        filler, fkv = prompt(6, 16 * BT)
+        assert c.store(filler, fkv) == 16 * BT  # pushes prompt 5 down to NVMe
+        c.flush(5.0)
+        svc.kill()
+        assert c.lookup(tokens) == 0  # a miss after at most the timeout, never an exception
+        assert c.store(tokens, kv) == 0
+        out = np.zeros_like(kv)
+        assert c.load(tokens, out) == 0
+        with c.lease(tokens) as held:
+            assert held.end == 0
+        assert not c.connected and c.stats()["client"]["timeouts"] >= 1
+        svc.start()  # the stale socket file is replaced
+        assert until(lambda: c.connected)
+        assert c.lookup(tokens) == 8 * BT  # NVMe kept it across the crash
+        assert c.load(tokens, out) == 8 * BT and np.array_equal(out, kv)
+        c.close()
+    finally:
+        svc.cleanup()
+
+
+def test_service_stopped_and_restarted_finds_its_cache_on_nvme() -> None:
+    svc = ServiceProc(host="256KiB", nvme="1MiB")
+    try:
+        svc.start()
+        c = connect(svc.url, timeout=1.0, layout=LAYOUT)
+        tokens, kv = prompt(15, 4 * BT)
+        assert c.store(tokens, kv) == 4 * BT  # in the host tier only
+        svc.stop()  # SIGTERM: the store closes, writing its volatile blocks to NVMe
+        assert svc.proc is not None and svc.proc.returncode == 0
+        assert not os.path.exists(svc.sock)
+        svc.start()
+        assert until(lambda: c.connected)
+        out = np.zeros_like(kv)
+        assert c.load(tokens, out) == 4 * BT and np.array_equal(out, kv)
+        c.close()
+    finally:
+        svc.cleanup()
+
+
+def test_client_started_before_the_service_connects_later() -> None:
+    svc = ServiceProc()
+    try:
+        with pytest.raises(ConfigError, match="does not answer"):
+            connect(svc.url, timeout=0.2)
+        c = TieredStore.connect(svc.url, timeout=1.0, layout=LAYOUT)
+        tokens, kv = prompt(9, 2 * BT)
+        assert c.store(tokens, kv) == 0 and c.lookup(tokens) == 0
+        svc.start()
+        assert until(lambda: c.connected)
+        assert c.store(tokens, kv) == 2 * BT and c.lookup(tokens) == 2 * BT
+        c.close()
+    finally:
+        svc.cleanup()
+
+
+def _serve(svc: ServiceProc) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", "serve", "--config", svc.config],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_second_service_on_the_same_socket_is_refused(service: ServiceProc) -> None:
+    second = _serve(service)
+    assert second.returncode == 2
+    assert f"another kvtier service (pid {service.proc.pid}) is serving" in second.stderr  # type: ignore[union-attr]
+    assert service.proc is not None and service.proc.poll() is None  # the first serves on
+
+
+def test_stale_socket_is_replaced_and_a_foreign_file_refused() -> None:
+    svc = ServiceProc()
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(svc.sock)  # a socket file nobody accepts on: a crashed service's
+        s.close()
+        svc.start()
+        with connect(svc.url, timeout=2.0) as c:
+            assert c.connected
+        svc.stop()
+        with open(svc.sock, "w") as f:
+            f.write("not a socket")
+        out = _serve(svc)
+        assert out.returncode == 2 and "exists and is not a socket" in out.stderr
+    finally:
+        svc.cleanup()
+
+
+@pytest.mark.slow  # two processes importing torch and transformers: ~45 s on 2 cores
+def test_two_hf_engines_share_one_service() -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from kvtier.integrations import hf_cache
+    from kvtier.integrations.models import ModelSpec, random_model
+
+    layout = hf_cache.model_layout(random_model(ModelSpec(arch="llama", seed=1)), 16)
+    svc = ServiceProc(host="4MiB", layout=layout, staging="1MiB")
+    try:
+        svc.start()
+        first = client_proc(svc.url, "hf", 75)
+        assert wait_line(first, "hf", 120) == "hf 0 True"
+        kill9(first)
+        second = client_proc(svc.url, "hf", 75)  # another process: served the first's prefix
+        _, reused, same = wait_line(second, "hf", 120).split()
+        assert int(reused) >= 3 * 16 and same == "True"  # the prefix, bit-identical output
+        kill9(second)
+    finally:
+        svc.cleanup()
+
+
+def test_a_session_id_is_good_only_on_its_own_connection(
+    service: ServiceProc, client: ServiceClient
+) -> None:
+    import zmq
+
+    from kvtier.service.protocol import pack, unpack
+
+    tokens, kv = prompt(13, 2 * BT)
+    assert client.store(tokens, kv) == 2 * BT
+    assert client._link is not None
+    stolen = client._link.sid
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect("ipc://" + service.sock)
+    try:
+        sock.send(b"\x93not msgpack")  # dropped, the service serves on
+        sock.send(pack({"op": ["x"], "id": 1, "sid": [1, 2]}))  # wrong types: dropped too
+        raw = np.asarray(tokens, "<u4").tobytes()
+        sock.send(pack({"op": "lookup", "id": 7, "sid": stolen, "tokens": raw}))
+        assert sock.poll(5000)
+        reply = unpack(sock.recv())
+        assert reply["id"] == 7 and reply["error"] == "session"
+    finally:
+        sock.close(0)
+        ctx.term()
+    assert client.lookup(tokens) == 2 * BT  # the owner's session is untouched
+    assert all("sid" not in s for s in sessions(client).values())
+
+
+def test_stats_cli_lists_clients_and_tenants(service: ServiceProc, client: ServiceClient) -> None:
+    tokens, kv = prompt(14, 2 * BT)
+    client.store(tokens, kv, tenant="alice")
+    client.lookup(tokens, tenant="alice")
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", "stats", "--url", service.url],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "model test/model" in out.stdout and "store" in out.stdout
+    assert "tenant alice: hit 0 miss 0 stored 32" in out.stdout
