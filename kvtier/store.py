@@ -209,9 +209,12 @@ class TieredStore(ReadPath):
             self._index.pin(held)
         written = 0
         try:
-            # a store larger than the first tier goes in slices: earlier slices get demoted
+            # a store larger than the first tier goes in slices: earlier slices get demoted (or
+            # written through). With nowhere below, later slices would only evict the earlier
+            # ones and keep a tail without its parents: the head that fits is stored instead.
             step = self.tiers[0].capacity_blocks or len(new) or 1
-            for start in range(0, len(new), step):
+            below = len(self._decider.local) > 1 or bool(self._shared)
+            for start in range(0, len(new) if below else min(len(new), 1), step):
                 part = new[start : start + step]
                 done = self._store_blocks(
                     [keys[i] for i in part], [views[i] for i in part], ns, reuse_class

@@ -307,3 +307,19 @@ def test_calls_after_close_raise() -> None:
     ):
         with pytest.raises(RuntimeError, match="closed"):
             call()
+
+
+def test_a_prompt_longer_than_a_lone_tier_keeps_its_head() -> None:
+    """With nowhere to demote to, storing more blocks than the tier holds keeps the leading
+    blocks (what a later prompt can reuse), not a tail whose parents were evicted."""
+    toks = list(range(1000, 1000 + 10 * SMALL.block_tokens))
+    with host_store(4) as st:
+        assert st.store(toks, kv_for(toks)) == 4 * SMALL.block_tokens
+        assert st.lookup(toks) == 4 * SMALL.block_tokens
+        out = np.zeros(SMALL.kv_shape(len(toks)), SMALL.storage_dtype)
+        assert st.load(toks, out) == 4 * SMALL.block_tokens
+        assert np.array_equal(out[:, :, :16], kv_for(toks)[:, :, :16])
+    with host_store(4, lower=16) as st:  # with a tier below, the whole prompt is kept
+        assert st.store(toks, kv_for(toks)) == len(toks)
+        st.flush()
+        assert st.lookup(toks) == len(toks)

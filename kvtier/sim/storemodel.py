@@ -12,7 +12,8 @@ Per request it makes the calls a sequential engine makes on a ``TieredStore``
    demoted first). The lower copy stays: the hierarchy is **inclusive**;
 3. **store** of every full block -- the blocks no tier holds are written into the first tier
    (room made first, victims demoted one tier down unless a lower copy already exists, the last
-   tier dropping them; a prompt longer than the first tier goes in slices), labelled with the
+   tier dropping them; a prompt longer than the first tier goes in slices, or only its head
+   when there is no tier below), labelled with the
    request's hint; the blocks it already held are re-ordered after them
    (``EvictionPolicy.refresh``) so a parent outlives its children.
 
@@ -139,7 +140,8 @@ class ModelStore:
         held = [k for k, h in zip(keys, held_at, strict=True) if h]
         idx.pin(held)
         step = self.cap0 or len(new) or 1
-        for start in range(0, len(new), step):
+        below = len(self.decider.local) > 1 or bool(self.decider.shared)
+        for start in range(0, len(new) if below else min(len(new), 1), step):
             part = new[start : start + step]
             if self._store_blocks(part, hint) < len(part):
                 break
