@@ -74,13 +74,13 @@ def brute_lru_hits(trace: Trace, cap: int) -> int:
 
 def brute_lru_serve(order: list[int], blocks: tuple[int, ...], cap: int) -> None:
     """A list-based LRU (``order``, oldest first, of ``cap`` blocks) after the store served
-    ``blocks``: the blocks it held stay (pinned); the new ones are stored in slices of ``cap``,
-    each making room by evicting the least recent unpinned blocks (an earlier slice included)
-    and stored leaf first (its root ends most recent); then the held ones are made most recent
-    the same way."""
+    ``blocks``: the blocks it held stay (pinned); the leading new ones that fit are stored (with
+    no tier below, a prompt longer than the tier keeps its head), making room by evicting the
+    least recent unpinned blocks, leaf first (its root ends most recent); then the held ones
+    are made most recent the same way."""
     held = [k for k in blocks if k in order]
     new = [k for k in blocks if k not in order]
-    for start in range(0, len(new), cap):
+    for start in range(0, min(len(new), 1), cap):
         part = new[start : start + cap]
         fit = min(len(part), cap - len(held))
         need = len(order) + fit - cap
