@@ -36,14 +36,9 @@ def tiny_llama(
 
 
 def kv_transfer(kvtier_config: Any, **extra: Any) -> Any:
-    from vllm.config import KVTransferConfig
+    from kvtier.integrations.vllm import transfer_config
 
-    return KVTransferConfig(
-        kv_connector="KvtierConnector",
-        kv_connector_module_path="kvtier.integrations.vllm",
-        kv_role="kv_both",
-        kv_connector_extra_config={"kvtier_config": kvtier_config, **extra},
-    )
+    return transfer_config(kvtier_config, **extra)
 
 
 def engine(

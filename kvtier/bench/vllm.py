@@ -62,16 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _engine(model: Path, kv: dict[str, Any] | None, max_len: int, **extra: Any) -> Any:
     from vllm import LLM
-    from vllm.config import KVTransferConfig
+
+    from kvtier.integrations.vllm import transfer_config
 
     kw: dict[str, Any] = dict(extra)
     if kv is not None:
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KvtierConnector",
-            kv_connector_module_path="kvtier.integrations.vllm",
-            kv_role="kv_both",
-            kv_connector_extra_config={"kvtier_config": kv},
-        )
+        kw["kv_transfer_config"] = transfer_config(kv)
     return LLM(
         model=str(model),
         skip_tokenizer_init=True,

@@ -59,16 +59,12 @@ def _block_bytes(model: Path, block_tokens: int) -> int:
 
 def _engine(model: Path, kv: dict[str, Any] | None, max_len: int) -> Any:
     from vllm import LLM
-    from vllm.config import KVTransferConfig
+
+    from kvtier.integrations.vllm import transfer_config
 
     kw: dict[str, Any] = {}
     if kv is not None:
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KvtierConnector",
-            kv_connector_module_path="kvtier.integrations.vllm",
-            kv_role="kv_both",
-            kv_connector_extra_config={"kvtier_config": kv},
-        )
+        kw["kv_transfer_config"] = transfer_config(kv)
     return LLM(
         model=str(model),
         skip_tokenizer_init=True,

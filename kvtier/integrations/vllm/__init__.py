@@ -5,6 +5,6 @@ Importing this package imports vLLM; the rest of kvtier never does. See ``connec
 
 from __future__ import annotations
 
-from kvtier.integrations.vllm.connector import KvtierConnector
+from kvtier.integrations.vllm.connector import KvtierConnector, transfer_config
 
-__all__ = ["KvtierConnector"]
+__all__ = ["KvtierConnector", "transfer_config"]

@@ -235,3 +235,16 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+def transfer_config(kvtier_config: Any, **extra: Any) -> Any:
+    """vLLM's ``KVTransferConfig`` that enables kvtier: ``kvtier_config`` is a TOML path or
+    the config's table; ``extra`` adds keys to ``kv_connector_extra_config``."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="KvtierConnector",
+        kv_connector_module_path="kvtier.integrations.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"kvtier_config": kvtier_config, **extra},
+    )
