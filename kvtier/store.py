@@ -41,7 +41,7 @@ from kvtier.lease import Lease
 from kvtier.moves import split_moves
 from kvtier.readpath import ReadPath
 from kvtier.store_core import log
-from kvtier.tiers.base import Array
+from kvtier.tiers.base import Array, Tier
 
 if TYPE_CHECKING:
     from kvtier.service.client import ServiceClient
@@ -60,12 +60,25 @@ class TieredStore(ReadPath):
         cls,
         config: StoreConfig | Mapping[str, Any] | str | Path,
         env: Mapping[str, str] | None = None,
+        *,
+        first: Tier | None = None,
     ) -> TieredStore:
-        """Build a store and its tiers from a ``StoreConfig``, a config dict or a TOML path."""
+        """Build a store and its tiers from a ``StoreConfig``, a config dict or a TOML path.
+        ``first``, when given, is the first tier, built by the caller from the first
+        ``[[tiers]]`` table (the node service builds its host tier in shared memory); the
+        store owns it from here (closed with the store, or on a failure here)."""
         from kvtier.tiers.registry import make_tiers
 
         cfg = StoreConfig.load(config, env)
-        tiers = make_tiers(cfg.layout, cfg.tiers, secret=cfg.secret)
+        try:
+            rest = cfg.tiers if first is None else cfg.tiers[1:]
+            tiers = make_tiers(cfg.layout, rest, secret=cfg.secret)
+        except BaseException:
+            if first is not None:
+                first.close()
+            raise
+        if first is not None:
+            tiers.insert(0, first)
         try:
             return cls(
                 cfg.layout,

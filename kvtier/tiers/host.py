@@ -57,7 +57,7 @@ class _Pin:
             if pin_memory == "always":
                 raise ConfigError("host tier pin_memory='always' needs torch with CUDA")
             return
-        cudart = torch.cuda.cudart()
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
         ptr = int(arena.ctypes.data)
         err = cudart.cudaHostRegister(ptr, int(arena.nbytes), 0)
         if int(getattr(err, "value", err)) != 0:
@@ -109,14 +109,22 @@ class HostTier(ArenaTier):
         self._checksums = np.zeros(n, dtype=np.uint64)
 
     @classmethod
-    def from_config(cls, layout: KVLayout, spec: Mapping[str, Any]) -> HostTier:
-        """``{"capacity": "8GiB", "pin_memory": "auto"|"always"|"never"}``."""
+    def from_config(
+        cls,
+        layout: KVLayout,
+        spec: Mapping[str, Any],
+        *,
+        shm_path: str | None = None,
+        shm_gid: int | None = None,
+    ) -> HostTier:
+        """``{"capacity": "8GiB", "pin_memory": "auto"|"always"|"never"}`` (``shm_*``: as
+        the constructor's; set by the node service, not by a config file)."""
         check_keys("tiers.host", spec, {"capacity", "pin_memory"})
         pin = str(spec.get("pin_memory", "auto"))
         if pin not in ("auto", "always", "never"):
             raise ConfigError(f"tiers.host pin_memory must be auto/always/never, got {pin!r}")
         cap = parse_size(spec.get("capacity", "1GiB"), "tiers.host capacity")
-        return cls(layout, cap, pin)  # type: ignore[arg-type]
+        return cls(layout, cap, pin, shm_path=shm_path, shm_gid=shm_gid)  # type: ignore[arg-type]
 
     def _host_bytes(self, n: int) -> int:
         """The arena and its checksums, beside the slot table."""
