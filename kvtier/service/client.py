@@ -362,6 +362,7 @@ def connect(
     layout: KVLayout | None = None,
     timeout: float = 5.0,
     name: str = "",
+    direct: bool = True,
 ) -> ServiceClient:
     """A client of the kvtier service at ``url`` (``unix:///path/kvtier.sock``).
 
@@ -370,14 +371,21 @@ def connect(
     tenant of calls that name none (the service's default otherwise). ``layout``, when given,
     must match the service's (``LayoutError`` otherwise) and lets the client start while the
     service is down (misses until it is up); without it an unreachable service raises
-    ``ConfigError``. ``timeout`` bounds every call (seconds).
+    ``ConfigError``. ``timeout`` bounds every call (seconds). ``direct=False``: never map the
+    service's host arena (every transfer through the staging region).
     """
     if model_id or revision:
         if identity is not None:
             raise ConfigError("give either identity= or model_id=/revision=, not both")
         identity = Identity(model_id, revision=revision)
     client = ServiceClient(
-        url, identity=identity, tenant=tenant, layout=layout, timeout=timeout, name=name
+        url,
+        identity=identity,
+        tenant=tenant,
+        layout=layout,
+        timeout=timeout,
+        name=name,
+        direct=direct,
     )
     if not client.connected and layout is None:
         client.close()

@@ -251,7 +251,8 @@ class Connection:
         if not path or not self.direct:
             return None
         try:
-            return SharedMemory.attach(str(path), int(reply["arena_bytes"]))
+            # populated: a copy into a slot this process never touched costs no page faults
+            return SharedMemory.attach(str(path), int(reply["arena_bytes"]), populate=True)
         except OSError as exc:
             log.warning(
                 "kvtier service at %s: cannot map its host arena (%s); moving KV through the "

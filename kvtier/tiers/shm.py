@@ -14,8 +14,9 @@ views. Two kinds, chosen at creation:
 
 Every page is allocated at creation (``posix_fallocate``; not with ``prefault=False``): a
 shared-memory file that cannot hold its size is a ``ConfigError`` now, not a ``SIGBUS`` on the
-first store into a page the filesystem has no room for, and the hot path never takes a page
-fault for a new page.
+first store into a page the filesystem has no room for; and the creator's mapping (and an
+``attach`` with ``populate``) fills its page tables up front (``MAP_POPULATE``), so the hot
+path never takes a page fault.
 """
 
 from __future__ import annotations
@@ -43,6 +44,15 @@ def _anonymous_fd() -> int:
     fd, path = tempfile.mkstemp(prefix="kvtier-arena-")
     os.unlink(path)
     return fd
+
+
+def _map(fd: int, nbytes: int, populate: bool) -> mmap.mmap:
+    """``MAP_SHARED`` of the file; ``populate`` fills this process's page tables now
+    (``MAP_POPULATE``), so no copy into it later takes a page fault per 4 KiB."""
+    flags = mmap.MAP_SHARED
+    if populate and hasattr(mmap, "MAP_POPULATE"):
+        flags |= mmap.MAP_POPULATE
+    return mmap.mmap(fd, nbytes, flags=flags)
 
 
 def _allocate(fd: int, nbytes: int, where: str) -> None:
@@ -109,7 +119,7 @@ class SharedMemory:
                 _allocate(fd, nbytes, path or os.path.join(shm_dir(), "memfd"))
             else:
                 os.ftruncate(fd, nbytes)
-            mapping = mmap.mmap(fd, nbytes)
+            mapping = _map(fd, nbytes, prefault)
         except BaseException:
             if path is not None:
                 with contextlib.suppress(FileNotFoundError):
@@ -120,14 +130,16 @@ class SharedMemory:
         return cls(mapping, nbytes, path)
 
     @classmethod
-    def attach(cls, path: str, nbytes: int) -> SharedMemory:
+    def attach(cls, path: str, nbytes: int, *, populate: bool = False) -> SharedMemory:
         """Map the named shared memory another process created (read-write); ``OSError`` if
-        it cannot (missing, no permission, another size)."""
+        it cannot (missing, no permission, another size). ``populate``: fill this process's
+        page tables for all of it now (a cost per page, paid at attach instead of at first
+        touch)."""
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         try:
             if os.fstat(fd).st_size != nbytes:
                 raise OSError(f"shared memory {path} is not {nbytes} bytes")
-            mapping = mmap.mmap(fd, nbytes)
+            mapping = _map(fd, nbytes, populate)
         finally:
             os.close(fd)
         return cls(mapping, nbytes, path)
