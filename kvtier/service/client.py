@@ -26,6 +26,8 @@ import contextlib
 from collections.abc import Hashable, Iterator
 from typing import Any
 
+import numpy as np
+
 from kvtier.config import DEFAULT_WORKERS
 from kvtier.errors import ConfigError, LayoutError
 from kvtier.identity import Identity
@@ -34,7 +36,7 @@ from kvtier.kvarray import host_array
 from kvtier.layout import KVLayout
 from kvtier.lease import Lease
 from kvtier.service.arena_io import ArenaCopier, load_direct, store_direct
-from kvtier.service.connection import Connection
+from kvtier.service.connection import LONG_TOKEN_BYTES, Connection
 from kvtier.service.staged import load_chunks, store_chunks
 from kvtier.tiers.base import Array
 
@@ -129,16 +131,28 @@ class ServiceClient(Connection):
 
         A long prompt is asked about in two steps: its first ``_PROBE_BLOCKS`` blocks after
         ``start``, then (only if they are all cached) the whole prompt, so a miss does not pay
-        for converting and sending every token id."""
+        for converting and sending every token id. The whole prompt's ids go through the
+        staging token area, written there in one pass when they are a numpy array."""
         toks = TokenIds(tokens)
         self._check_start(start, len(toks))
         scope = self._scope(tenant, adapter, salt, start)
         probe = start + _PROBE_BLOCKS * self.layout.block_tokens
-        if len(toks) > probe:
+        n = len(toks)
+        if n > probe:
             reply = self.call("lookup", scope, toks.chunk(0, probe))
             if reply is None or int(reply["end"]) < probe:
                 return start if reply is None else int(reply["end"])
-        reply = self.call("lookup", scope, toks.chunk(0, len(toks)))
+        if 4 * n >= LONG_TOKEN_BYTES and isinstance(tokens, np.ndarray):
+            with self.lock:
+                for _ in range(2):  # once more on a new session if the service restarted
+                    self.clear_restarted()
+                    link = self.link
+                    if link is None or not link.staging.put_token_array(tokens.reshape(-1)):
+                        break  # the checked conversion below (it names a bad id)
+                    reply = self.call_once("lookup", {**scope, "tok": n}, None)
+                    if not self.restarted:
+                        return start if reply is None else int(reply["end"])
+        reply = self.call("lookup", scope, toks.chunk(0, n))
         return start if reply is None else int(reply["end"])
 
     def locate(

@@ -91,6 +91,21 @@ class Staging:
         area[:] = np.frombuffer(raw, np.uint8)
         return True
 
+    def put_token_array(self, ids: Any) -> bool:
+        """Copy a 1-D numpy array of token ids straight into the token area as uint32 (one
+        pass, no intermediate bytes); ``False`` -- nothing placed -- unless it is one, fits,
+        and every id is in ``[0, 2**32)`` (the caller then converts it the checked way, which
+        names a bad id)."""
+        if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
+            return False
+        if self._shm.closed or 4 * ids.size > self.nbytes - self.kv_bytes:
+            return False
+        wide = ids.dtype.kind == "i" or ids.dtype.itemsize > 4  # may hold what uint32 cannot
+        if ids.size and wide and (int(ids.min()) < 0 or int(ids.max()) >= 2**32):
+            return False
+        np.copyto(self.tokens(ids.size), ids, casting="unsafe")
+        return True
+
     def tokens(self, count: int) -> Array:
         """The first ``count`` token ids (uint32) of the token area: a view, no copy (the
         client writes into it, the service reads it). ``LayoutError`` if they do not fit."""
