@@ -468,3 +468,25 @@ def test_staging_mode_keeps_clients_out_of_the_arena() -> None:
             assert c.load(tokens, out) == 40 * BT and np.array_equal(out, kv)
     finally:
         svc.cleanup()
+
+
+@pytest.mark.slow  # starts two services and client processes: ~30 s on 2 cores
+def test_bench_host_url_compares_the_service_with_in_process() -> None:
+    import argparse
+
+    from kvtier.bench import host
+
+    p = argparse.ArgumentParser()
+    host.add_arguments(p)
+    args = p.parse_args(
+        ["--url", "auto", "--mib", "4", "--rounds", "1", "--clients", "2", "--host-mib", "32"]
+    )
+    out = host.run(args)
+    assert out["data_path"] == "arena"
+    for name in ("service", "service_staging", "service_buffer"):
+        for kind in ("store", "load"):
+            ratio = out[f"{name}_{kind}_gbps"] / out[f"in_process_{kind}_gbps"]
+            assert out[f"{name}_{kind}_vs_in_process"] == pytest.approx(ratio)
+    assert out["clients_vs_one"] == pytest.approx(out["2_clients_gbps"] / out["one_client_gbps"])
+    assert 0 < out["service_miss_4k_in_service_us"] < out["service_miss_4k_us"]
+    assert out["service_ping_us"] > 0 and out["in_process_lookup_128k_ms"] > 0

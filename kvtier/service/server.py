@@ -494,7 +494,7 @@ class Service:
         tid = int(req["tid"])
         res = s.take_transfer(tid)
         if not isinstance(res, Reservation):
-            raise KVTierError(f"no store {tid} in progress in this session")
+            raise LookupError(f"no store {tid} in progress in this session")  # a fault: a miss
         try:
             self.store.commit_store(res, np.frombuffer(req["sums"], "<u8").tolist())
         except BaseException:
