@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -51,6 +51,10 @@ class Link:
     staging: Staging
     lease_ttl: float
     arena: SharedMemory | None = None
+    poller: zmq.Poller = field(default_factory=zmq.Poller)  # kept: a poll builds none
+
+    def __post_init__(self) -> None:
+        self.poller.register(self.sock, zmq.POLLIN)
 
     def close(self) -> None:
         self.sock.close(0)
@@ -160,16 +164,26 @@ class Connection:
         else:  # the token ids as a frame of their own, not copied into the header
             sock.send_multipart([pack(req), tokens], copy=False)
 
-    def _recv(self, sock: zmq.Socket[bytes], req_id: int, timeout: float) -> dict[str, Any] | None:
+    def _recv(
+        self,
+        sock: zmq.Socket[bytes],
+        req_id: int,
+        timeout: float,
+        poller: zmq.Poller | None = None,
+    ) -> dict[str, Any] | None:
         """The reply to ``req_id``, ``None`` after ``timeout`` s. Replies to other calls in
-        flight are kept for their own ``_recv``; replies to abandoned calls are dropped."""
+        flight are kept for their own ``_recv``; replies to abandoned calls are dropped.
+        ``poller``: one with ``sock`` registered (cheaper than ``sock.poll``)."""
         reply = self._stash.pop(req_id, None)
         if reply is not None:
             return reply
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+            if left <= 0:
+                return None
+            ms = int(left * 1000) + 1
+            if not (poller.poll(ms) if poller is not None else sock.poll(ms, zmq.POLLIN)):
                 return None
             try:
                 got = unpack(sock.recv())
@@ -347,7 +361,7 @@ class Connection:
         if link is None:  # dropped while this call was in flight
             self._inflight.discard(req_id)
             return None
-        reply = self._recv(link.sock, req_id, self.timeout)
+        reply = self._recv(link.sock, req_id, self.timeout, link.poller)
         self._inflight.discard(req_id)
         if reply is None:
             self.counters["timeouts"] += 1

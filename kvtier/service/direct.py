@@ -49,7 +49,6 @@ class Reservation:
     keys: list[BlockKey]
     held: list[BlockKey]
     slices: list[list[int]]
-    part: int = 0  # blocks asked for in the current slice
     pending: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
     written: int = 0  # blocks committed so far
@@ -120,7 +119,6 @@ class DirectStore(TieredStore):
         host = self._host()
         while res.slices and not res.pending:
             part = res.slices.pop(0)
-            res.part = len(part)
             keys = [res.keys[i] for i in part]
             picked = self._begin_first(keys)
             slots = host.reserve([keys[i] for i in picked])
