@@ -128,12 +128,12 @@ def _data(cases: dict[str, tuple[Any, Any, Any]], n: int, rounds: int) -> dict[s
     return best
 
 
-def _client_worker(url: str, n: int, rounds: int, start_at: float, q: Any) -> None:
+def _client_worker(url: str, n: int, rounds: int, ready: Any, q: Any) -> None:
     from kvtier.service.client import connect
 
     with connect(url, timeout=60.0) as c:
         buf = np.ones(c.layout.kv_shape(n), c.layout.storage_dtype)
-        time.sleep(max(0.0, start_at - time.time()))
+        ready.wait()  # every client connected (its arena mapped) and warm: the clock starts
         t0 = time.time()
         moved = 0
         for r in range(rounds):
@@ -147,9 +147,9 @@ def _aggregate(url: str, clients: int, n: int, rounds: int) -> float:
     """GB/s of ``clients`` processes each storing and loading ``rounds`` x ``n`` tokens."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    start_at = time.time() + 3.0 + clients  # all connected and warm before the clock starts
+    ready = ctx.Barrier(clients, timeout=300)
     procs = [
-        ctx.Process(target=_client_worker, args=(url, n, rounds, start_at, q))
+        ctx.Process(target=_client_worker, args=(url, n, rounds, ready, q))
         for _ in range(clients)
     ]
     for p in procs:
