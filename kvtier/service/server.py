@@ -201,6 +201,7 @@ class Service:
         poller.register(router, zmq.POLLIN)
         poller.register(replies, zmq.POLLIN)
         tick = max(10, int(self.config.lease_ttl * 250))  # ms: expiry is checked 4x per TTL
+        next_expiry = time.monotonic() + tick / 1000
         self.ready.set()
         try:
             while not self._stop.is_set():
@@ -222,7 +223,10 @@ class Service:
                         except zmq.Again:
                             break
                         router.send_multipart(out)
-                self._expire()
+                now = time.monotonic()
+                if now >= next_expiry:  # not after every request: it visits every session
+                    self._expire()
+                    next_expiry = now + tick / 1000
         finally:
             self._pool.shutdown(wait=True)
             for push in self._pushes:  # the workers are gone: close their sockets here
