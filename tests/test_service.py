@@ -490,3 +490,22 @@ def test_bench_host_url_compares_the_service_with_in_process() -> None:
     assert out["clients_vs_one"] == pytest.approx(out["2_clients_gbps"] / out["one_client_gbps"])
     assert 0 < out["service_miss_4k_in_service_us"] < out["service_miss_4k_us"]
     assert out["service_ping_us"] > 0 and out["in_process_lookup_128k_ms"] > 0
+
+
+def test_an_arena_larger_than_shared_memory_is_a_config_error() -> None:
+    from kvtier.tiers.shm import SharedMemory, shm_dir
+
+    path = os.path.join(shm_dir(), f"kvtier-test-{os.getpid()}")
+    with pytest.raises(ConfigError, match=r"cannot allocate .*--shm-size"):
+        SharedMemory.create(1 << 50, path)  # a PiB: more than any /dev/shm
+    assert not os.path.exists(path)  # nothing left behind
+    small = SharedMemory.create(1 << 16, path)
+    try:
+        other = SharedMemory.attach(path, 1 << 16)
+        other.array[:4] = [1, 2, 3, 4]  # one mapping's writes are the other's bytes
+        assert small.array[:4].tolist() == [1, 2, 3, 4]
+        other.close()
+    finally:
+        small.unlink()
+        small.close()
+    assert not os.path.exists(path)
