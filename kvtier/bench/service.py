@@ -149,8 +149,7 @@ def _aggregate(url: str, clients: int, n: int, rounds: int) -> float:
     q = ctx.Queue()
     ready = ctx.Barrier(clients, timeout=300)
     procs = [
-        ctx.Process(target=_client_worker, args=(url, n, rounds, ready, q))
-        for _ in range(clients)
+        ctx.Process(target=_client_worker, args=(url, n, rounds, ready, q)) for _ in range(clients)
     ]
     for p in procs:
         p.start()
