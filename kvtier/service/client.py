@@ -36,7 +36,7 @@ from kvtier.kvarray import host_array
 from kvtier.layout import KVLayout
 from kvtier.lease import Lease
 from kvtier.service.arena_io import ArenaCopier, load_direct, store_direct
-from kvtier.service.connection import LONG_TOKEN_BYTES, Connection
+from kvtier.service.connection import Connection
 from kvtier.service.staged import load_chunks, store_chunks
 from kvtier.tiers.base import Array
 
@@ -131,29 +131,38 @@ class ServiceClient(Connection):
 
         A long prompt is asked about in two steps: its first ``_PROBE_BLOCKS`` blocks after
         ``start``, then (only if they are all cached) the whole prompt, so a miss does not pay
-        for converting and sending every token id. The whole prompt's ids go through the
-        staging token area, written there in one pass when they are a numpy array."""
+        for converting and sending every token id."""
         toks = TokenIds(tokens)
         self._check_start(start, len(toks))
         scope = self._scope(tenant, adapter, salt, start)
         probe = start + _PROBE_BLOCKS * self.layout.block_tokens
         n = len(toks)
         if n > probe:
-            reply = self.call("lookup", scope, toks.chunk(0, probe))
+            reply = self._ask("lookup", scope, tokens, toks, probe)
             if reply is None or int(reply["end"]) < probe:
                 return start if reply is None else int(reply["end"])
-        if 4 * n >= LONG_TOKEN_BYTES and isinstance(tokens, np.ndarray):
+        reply = self._ask("lookup", scope, tokens, toks, n)
+        return start if reply is None else int(reply["end"])
+
+    def _ask(
+        self, op: str, fields: dict[str, Any], tokens: Any, toks: TokenIds, stop: int
+    ) -> dict[str, Any] | None:
+        """One call about ``tokens[:stop]``. The ids of a numpy array are written into the
+        staging token area in one pass (checked with a min and a max, no bytes built in
+        between); anything else, or an id out of range, takes ``TokenIds``' checked path,
+        which names a bad id."""
+        if isinstance(tokens, np.ndarray):
+            ids = tokens.reshape(-1)[:stop]
             with self.lock:
                 for _ in range(2):  # once more on a new session if the service restarted
                     self.clear_restarted()
                     link = self.link
-                    if link is None or not link.staging.put_token_array(tokens.reshape(-1)):
-                        break  # the checked conversion below (it names a bad id)
-                    reply = self.call_once("lookup", {**scope, "tok": n}, None)
+                    if link is None or not link.staging.put_token_array(ids):
+                        break
+                    reply = self.call_once(op, {**fields, "tok": stop}, None)
                     if not self.restarted:
-                        return start if reply is None else int(reply["end"])
-        reply = self.call("lookup", scope, toks.chunk(0, n))
-        return start if reply is None else int(reply["end"])
+                        return reply
+        return self.call(op, fields, toks.chunk(0, stop))
 
     def locate(
         self,
@@ -167,9 +176,8 @@ class ServiceClient(Connection):
         """As ``TieredStore.locate``; ``[]`` when the service is unreachable."""
         toks = TokenIds(tokens)
         self._check_start(start, len(toks))
-        reply = self.call(
-            "locate", self._scope(tenant, adapter, salt, start), toks.chunk(0, len(toks))
-        )
+        scope = self._scope(tenant, adapter, salt, start)
+        reply = self._ask("locate", scope, tokens, toks, len(toks))
         return [] if reply is None else [str(t) for t in reply["tiers"]]
 
     def prefetch(
@@ -184,9 +192,8 @@ class ServiceClient(Connection):
         """As ``TieredStore.prefetch``; 0 when the service is unreachable."""
         toks = TokenIds(tokens)
         self._check_start(start, len(toks))
-        reply = self.call(
-            "prefetch", self._scope(tenant, adapter, salt, start), toks.chunk(0, len(toks))
-        )
+        scope = self._scope(tenant, adapter, salt, start)
+        reply = self._ask("prefetch", scope, tokens, toks, len(toks))
         return 0 if reply is None else int(reply["tokens"])
 
     def load(
