@@ -235,7 +235,11 @@ def test_service_killed_and_restarted_serves_misses_then_warm_hits() -> None:
         with c.lease(tokens) as held:
             assert held.end == 0
         assert not c.connected and c.stats()["client"]["timeouts"] >= 1
-        svc.start()  # the stale socket file is replaced
+        cfg = ServiceConfig(url=svc.url)
+        left = cfg.shm_prefix + "-staging-0"  # a session the killed service never saw attach
+        open(left, "wb").close()
+        svc.start()  # the stale socket file is replaced, and what it left in /dev/shm
+        assert not os.path.exists(left)
         assert until(lambda: c.connected)
         assert c.lookup(tokens) == 8 * BT  # NVMe kept it across the crash
         assert c.load(tokens, out) == 8 * BT and np.array_equal(out, kv)

@@ -68,14 +68,19 @@ class ServiceConfig:
             )
 
     @property
+    def shm_prefix(self) -> str:
+        """The path prefix of this socket's shared memory in ``/dev/shm`` (its arena and
+        staging regions): a service that starts on the socket removes what a killed one
+        left under it."""
+        digest = hashlib.sha256(socket_path(self.url).encode()).hexdigest()[:16]
+        return os.path.join(shm_dir(), f"kvtier-{digest}")
+
+    @property
     def arena_path(self) -> str | None:
         """Where the shared host arena is named (``None`` in staging mode): one name per
         socket, so a service that was killed leaves at most one stale arena, which the next
         service on that socket replaces."""
-        if self.data != "arena":
-            return None
-        digest = hashlib.sha256(socket_path(self.url).encode()).hexdigest()[:16]
-        return os.path.join(shm_dir(), f"kvtier-arena-{digest}")
+        return None if self.data != "arena" else self.shm_prefix + "-arena"
 
     @property
     def gid(self) -> int | None:

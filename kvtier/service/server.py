@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import itertools
 import logging
 import os
@@ -90,12 +91,17 @@ class SocketLock:
     @classmethod
     def claim(cls, config: ServiceConfig) -> SocketLock:
         """The lock of ``config.url``'s socket (its directory made if missing);
-        ``ConfigError`` if another service holds it."""
+        ``ConfigError`` if another service holds it. Staging regions a killed service on
+        this socket left in ``/dev/shm`` (sessions whose client never attached) are removed."""
         path = socket_path(config.url)
         parent = os.path.dirname(path)
         if not os.path.isdir(parent):
             os.makedirs(parent, mode=0o750 if config.gid is not None else 0o700, exist_ok=True)
-        return cls(path)
+        lock = cls(path)
+        for stale in glob.glob(glob.escape(config.shm_prefix) + "-staging-*"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(stale)
+        return lock
 
     def release(self) -> None:
         if self._fd is not None:
@@ -365,7 +371,10 @@ class Service:
             tenant = req.get("tenant") or self.store.tenant
             self.store.namespace(tenant)  # validates the tenant name
             staging = Staging.create(
-                self.config.staging, self.config.token_area, gid=self.config.gid
+                self.config.staging,
+                self.config.token_area,
+                gid=self.config.gid,
+                prefix=self.config.shm_prefix,
             )
         except KVTierError as exc:
             return error_reply(req_id, exc)

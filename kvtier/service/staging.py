@@ -42,10 +42,14 @@ class Staging:
         self._shm = shm
 
     @classmethod
-    def create(cls, kv_bytes: int, token_bytes: int, *, gid: int | None = None) -> Staging:
+    def create(
+        cls, kv_bytes: int, token_bytes: int, *, gid: int | None = None, prefix: str = ""
+    ) -> Staging:
         """A new region of ``kv_bytes`` of KV and ``token_bytes`` of token ids (service side),
-        mode 0600 (0660 with ``gid``)."""
-        path = os.path.join(shm_dir(), f"kvtier-{os.getpid()}-{secrets.token_hex(8)}")
+        mode 0600 (0660 with ``gid``), named ``<prefix>-staging-<random>`` (a name in
+        ``/dev/shm`` by default)."""
+        prefix = prefix or os.path.join(shm_dir(), f"kvtier-{os.getpid()}")
+        path = f"{prefix}-staging-{secrets.token_hex(8)}"
         shm = SharedMemory.create(kv_bytes + token_bytes, path, gid=gid, prefault=False)
         return cls(shm, kv_bytes)
 
