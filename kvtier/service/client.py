@@ -240,7 +240,8 @@ class ServiceClient(Connection):
                     copier = self._arena_copier()
                     got, more = load_direct(self, copier, arr, raw, scope, want // bt)
                     end = start + got * bt
-                if more and self.link is link and end < start + want:
+                link = self.link  # a new session if acquire found the service restarted
+                if more and link is not None and end < start + want:
                     rest = {**scope, "start": end}
                     end = load_chunks(
                         self, link, arr[:, :, end - start :], raw, rest, end, start + want - end

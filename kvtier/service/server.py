@@ -492,7 +492,13 @@ class Service:
             s.put_back(tid, res)
         return {"tid": tid, "blocks": res.pending, "slots": res.slots}
 
+    def _direct(self) -> None:
+        """Direct transfers only where clients were offered the arena (else a fault: a miss)."""
+        if self.config.data != "arena" or self.store.arena is None:
+            raise LookupError("this service shares no host arena: transfer through staging")
+
     def _reserve(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
+        self._direct()
         reuse = req.get("reuse_class")
         res = self.store.reserve_store(
             TokenIds(self._tokens(tokens)),
@@ -522,6 +528,7 @@ class Service:
         return {}
 
     def _acquire(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
+        self._direct()
         toks = TokenIds(self._tokens(tokens))
         start = req.get("start", 0)
         read, more = self.store.begin_read(toks, start, self._namespace(req))
