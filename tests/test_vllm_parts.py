@@ -18,7 +18,8 @@ from kvtier.identity import Identity
 from kvtier.integrations.vllm.backend import Scope, open_local
 from kvtier.integrations.vllm.lookup_rpc import LookupClient, LookupServer
 from kvtier.integrations.vllm.metadata import KvtierMetadata, PageOp
-from kvtier.integrations.vllm.pages import PageMover, page_layout
+from kvtier.integrations.vllm.movers import PageMover
+from kvtier.integrations.vllm.pages import PageLayout, page_layout
 from kvtier.integrations.vllm.settings import parse_settings
 from kvtier.integrations.vllm.worker import WorkerSide
 from tests.nvme_helpers import patch_file
@@ -36,6 +37,12 @@ def _caches(seed: int) -> list[torch.Tensor]:
     ]
 
 
+def _pages(caches: list[torch.Tensor]) -> PageLayout:
+    return page_layout(
+        caches, backend="CPU_ATTN", block_size=BS, kv_heads=HEADS, head_size=DIM2 // 2
+    )
+
+
 def _identity(tag: str = "test-pages") -> Identity:
     return Identity("tiny", "r1", engine_tag=tag, model_fingerprint="fp")
 
@@ -44,7 +51,7 @@ def _worker(caches: list[torch.Tensor], tiers: list[dict[str, Any]]) -> WorkerSi
     settings = parse_settings(
         {"kvtier_config": {"store": {"block_tokens": BT}, "tiers": tiers}}, BS
     )
-    pages = page_layout(caches, BS)
+    pages = _pages(caches)
     backend = open_local(settings.store_config(pages.kvtier_layout(BT), "tiny"), _identity())
     return WorkerSide(backend, PageMover(caches, pages))
 
@@ -95,7 +102,7 @@ def test_config_file_errors_name_the_file(tmp_path: Path) -> None:
 
 def test_a_tier_smaller_than_one_block_is_refused() -> None:
     s = parse_settings({"kvtier_config": {"tiers": [{"kind": "host", "capacity": "4KiB"}]}}, BS)
-    layout = page_layout(_caches(0), BS).kvtier_layout(s.block_tokens)
+    layout = _pages(_caches(0)).kvtier_layout(s.block_tokens)
     with pytest.raises(
         ConfigError, match=r"#0 \(host\) capacity '4KiB' is smaller than one kvtier block"
     ):
@@ -114,7 +121,7 @@ def test_pages_round_trip_through_the_store_bit_exact() -> None:
         # same identity, different processes' stores: copy a's store into b's by bytes
         a.save(KvtierMetadata(saves=[_op(toks, 0, 3 * BT, [5, 9, 2, 7, 11, 3])]))
         assert a.saved_tokens == 3 * BT
-        kv = a.mover.as_kv(a.mover.gather([5, 9, 2, 7, 11, 3]))
+        kv = a.mover.as_kv(a.mover.start_gather([5, 9, 2, 7, 11, 3]).buf)
         b.backend.store(toks[: 3 * BT], kv, Scope())
         before = [c.clone() for c in dst]
         # vLLM already holds the first page (its own prefix cache): keep_pages=1 leaves it alone
@@ -238,7 +245,7 @@ def test_another_tensor_parallel_rank_never_reads_this_ranks_blocks(tmp_path: Pa
         },
         BS,
     )
-    pages = page_layout(caches, BS)
+    pages = _pages(caches)
     cfg = settings.store_config(pages.kvtier_layout(BT), "tiny")
     for rank, expect in ((0, 0), (0, 2 * BT), (1, 0)):
         ident = Identity("tiny", "r1", rank, 2, engine_tag="test-pages", model_fingerprint="fp")
