@@ -1,9 +1,11 @@
-"""Async saves and an fp8 KV cache in a real vLLM engine on CPU (random weights).
+"""Async saves, an fp8 KV cache and prompt embeddings in a real vLLM engine on CPU (random
+weights; one engine for the module).
 
 With ``async_save`` the connector stores off the model runner's thread and vLLM delays
 freeing a finished request's pages until the workers report its copies done
 (``request_finished`` -> ``get_finished``): the GPU protocol, run here with host copies. The
-cache is fp8 (per-tensor scales), so the engine tag carries the scales' digest.
+cache is fp8 (per-tensor scales), so the engine tag carries the scales' digest. Requests with
+prompt embeddings are not keyed by token ids: never served or stored by kvtier, counted.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import gc
 import re
 import time
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -49,10 +51,11 @@ def _settle(llm: Any, tokens: int) -> dict[str, Any]:
     return st
 
 
-def test_async_saves_on_an_fp8_cache_serve_identical_tokens(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
-) -> None:
-    model = H.tiny_llama(tmp_path / "tiny")
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from vllm.config import KVTransferConfig
+
+    model = H.tiny_llama(tmp_path_factory.mktemp("model") / "tiny")
     cfg = {
         "kvtier_config": {
             "store": {"block_tokens": BT, "model_id": "tiny-fp8"},
@@ -60,47 +63,72 @@ def test_async_saves_on_an_fp8_cache_serve_identical_tokens(
         },
         "async_save": True,
     }
-    from vllm.config import KVTransferConfig
-
     ktc = KVTransferConfig(
         kv_connector="KvtierConnector",
         kv_connector_module_path="kvtier.integrations.vllm",
         kv_role="kv_both",
         kv_connector_extra_config=cfg,
     )
-    llm = H.engine(
+    engine = H.engine(
         model,
         kv_bytes=KV_BYTES,
         max_model_len=2048,
         kv_cache_dtype="fp8_e4m3",
         kv_transfer_config=ktc,
+        enable_prompt_embeds=True,
     )
-    try:
-        doc = _tokens(1, DOC)
-        p1, p2 = doc + _tokens(2, 40), doc + _tokens(3, 50)
-        run = lambda p: llm.generate([H.prompt(p)], H.greedy(8, logprobs=1), use_tqdm=False)[0]  # noqa: E731
-        run(p1)
-        _settle(llm, DOC)
-        llm.reset_prefix_cache()
-        served = run(p2)
-        assert served.num_cached_tokens == DOC  # from kvtier
-        own = run(p2)  # vLLM's own prefix cache
-        assert list(served.outputs[0].token_ids) == list(own.outputs[0].token_ids)
-        lp = [
-            [next(iter(s.values())).logprob for s in o.outputs[0].logprobs] for o in (served, own)
-        ]
-        assert lp[0] == lp[1]
-        # many requests one after another, more KV than the cache holds: each one's pages
-        # must come back once its async saves are reported, or the engine would stall
-        for i in range(8):
-            out = run(_tokens(100 + i, 600))
-            assert len(out.outputs[0].token_ids) == 8
-        st = _settle(llm, DOC + 8 * 512)
-        assert st["save_failures"] == 0 and st["save_dropped"] == 0
-    finally:
+    yield engine
+    _shutdown(engine)
+
+
+def _shutdown(llm: Any) -> None:
+    if not getattr(llm, "_kvtier_test_closed", False):
+        llm._kvtier_test_closed = True
         llm.llm_engine.engine_core.shutdown()
         gc.collect()
-    log = capfd.readouterr()
-    tags = re.findall(r"store ready \((vllm-paged\|[^)]*)\)", log.out + log.err)
-    assert tags and "cache_dtype=fp8_e4m3" in tags[0]
-    assert re.search(r"\|scales=[0-9a-f]{24}$", tags[0]), tags[0]
+
+
+def _run(llm: Any, prompt: Any) -> Any:
+    return llm.generate([prompt], H.greedy(8, logprobs=1), use_tqdm=False)[0]
+
+
+def test_async_saves_on_an_fp8_cache_serve_identical_tokens(llm: Any) -> None:
+    doc = _tokens(1, DOC)
+    p1, p2 = H.prompt(doc + _tokens(2, 40)), H.prompt(doc + _tokens(3, 50))
+    _run(llm, p1)
+    _settle(llm, DOC)
+    llm.reset_prefix_cache()
+    served = _run(llm, p2)
+    assert served.num_cached_tokens == DOC  # from kvtier
+    own = _run(llm, p2)  # vLLM's own prefix cache
+    assert list(served.outputs[0].token_ids) == list(own.outputs[0].token_ids)
+    lp = [[next(iter(s.values())).logprob for s in o.outputs[0].logprobs] for o in (served, own)]
+    assert lp[0] == lp[1]
+    # many requests one after another, more KV than the cache holds: each one's pages must
+    # come back once its async saves are reported, or the engine would stall
+    for i in range(8):
+        out = _run(llm, H.prompt(_tokens(100 + i, 600)))
+        assert len(out.outputs[0].token_ids) == 8
+    st = _settle(llm, DOC + 8 * 512)
+    assert st["save_failures"] == 0 and st["save_dropped"] == 0
+    assert "|cache_dtype=fp8_e4m3|" in st["engine_tag"]  # blocks keyed by the fp8 scales
+    assert re.search(r"\|scales=[0-9a-f]{24}$", st["engine_tag"]), st["engine_tag"]
+
+
+def test_prompt_embeds_are_not_cached_and_counted(llm: Any) -> None:
+    import torch
+
+    hidden = llm.llm_engine.vllm_config.model_config.get_hidden_size()
+    embeds = torch.randn(DOC + 20, hidden, generator=torch.Generator().manual_seed(5))
+    prompt = {"prompt_embeds": embeds.to(torch.bfloat16)}
+    saved = _stats(llm)["saved_tokens"]
+    first = _run(llm, prompt)
+    llm.reset_prefix_cache()
+    again = _run(llm, prompt)
+    assert again.num_cached_tokens == 0  # kvtier never serves what token ids do not name
+    assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids)
+    time.sleep(0.5)  # (an async save would have been queued by now)
+    assert _stats(llm)["saved_tokens"] == saved  # nor stores it
+    assert again.kv_transfer_params == {"kvtier": "uncacheable"}  # and says so
+    plain = _run(llm, H.prompt(_tokens(9, 300)))
+    assert plain.kv_transfer_params is None

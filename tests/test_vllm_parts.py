@@ -300,7 +300,10 @@ def test_multimodal_and_prompt_embeds_requests_are_never_looked_up_and_are_count
         assert sched.matched(embeds, 0) == 0
         assert sched.stats()["uncacheable"] == 2
         assert sched.stats()["lookups"] == lookups  # no store question asked for them
-        assert not sched.finished(mm) and not sched.finished(embeds)
+        assert sched.matched(mm, 0) == 0  # vLLM asks again: counted once
+        assert sched.stats()["uncacheable"] == 2
+        assert sched.finished(mm) == (False, {"kvtier": "uncacheable"})
+        assert sched.finished(embeds) == (False, {"kvtier": "uncacheable"})
     finally:
         w.close()
 

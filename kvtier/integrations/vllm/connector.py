@@ -204,7 +204,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         if self._sched is not None:
-            return self._sched.finished(request), None
+            return self._sched.finished(request)
         return False, None
 
     # -- worker side -------------------------------------------------------------------------
@@ -265,9 +265,14 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             save_queue_bytes=self._settings.save_queue_bytes,
             layerwise=device == "cuda" and eager,
         )
+        worker = self._worker
         self._worker.serve(
             LookupServer(
-                self._engine_id, rank, backend.lookup, self._worker.lease, self._worker.stats
+                self._engine_id,
+                rank,
+                backend.lookup,
+                worker.lease,
+                lambda: {**worker.stats(), "engine_tag": tag},
             )
         )
         log.info("kvtier: rank %d store ready (%s)", rank, ident.engine_tag)

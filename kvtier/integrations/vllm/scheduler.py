@@ -17,7 +17,8 @@ in the step's metadata, done by the worker side.
   step's metadata names the requests vLLM preempted, whose copies the workers finish before
   the forward reuses their pages.
 - requests kvtier cannot key safely (multimodal inputs, prompt embeddings) are neither looked up
-  nor saved; ``uncacheable`` counts them.
+  nor saved; ``uncacheable`` counts them, and their output says so (``kv_transfer_params``
+  ``{"kvtier": "uncacheable"}``, returned by ``finished``).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class SchedulerSide:
         self.kv_cache_manager = kv_cache_manager
         self.async_save = async_save
         self.uncacheable = 0
+        self._uncacheable: set[str] = set()  # ids of such requests not finished yet
         self.lookups = 0
         self.hit_tokens = 0
 
@@ -96,7 +98,9 @@ class SchedulerSide:
         """Tokens beyond ``num_computed_tokens`` that kvtier will load (a multiple of vLLM's
         block size; 0 on a miss)."""
         if not cacheable(request):
-            self.uncacheable += 1
+            if request.request_id not in self._uncacheable:  # vLLM may ask again
+                self._uncacheable.add(request.request_id)
+                self.uncacheable += 1
             return 0
         st = self._state(request)
         tokens = request.all_token_ids
@@ -203,8 +207,11 @@ class SchedulerSide:
             "uncacheable": self.uncacheable,
         }
 
-    def finished(self, request: Any) -> bool:
-        """Forget ``request``; True when vLLM must keep its pages until the workers report
-        its async saves done (``get_finished``)."""
+    def finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        """Forget ``request``: (whether vLLM must keep its pages until the workers report its
+        async saves done, ``get_finished``; the ``kv_transfer_params`` for its output)."""
+        if request.request_id in self._uncacheable:
+            self._uncacheable.discard(request.request_id)
+            return False, {"kvtier": "uncacheable"}
         st = self._reqs.pop(request.request_id, None)
-        return self.async_save and st is not None and st.saved
+        return self.async_save and st is not None and st.saved, None
