@@ -11,6 +11,9 @@ same machine load:
   ``reset_prefix_cache()``: the prefix comes from kvtier's host tier;
 - ``nvme_s``: a new vLLM + kvtier engine over the same NVMe directory (warm restart) serving
   ``doc_i + another question`` for the first time: the prefix comes from NVMe;
+- ``host_load_s`` / ``nvme_load_s``: the part of ``host_s`` / ``nvme_s`` the connector's
+  worker spent loading (reading the store, scattering pages; its own counter), which tells a
+  slow TTFT in kvtier's read path from one in vLLM's step;
 - ``overhead``: 1 - the median over rounds of (tokens/s with kvtier / without) on a workload
   with no reuse at all (unique prompts in one batch: every block a miss and a save), the two
   engines alternating round by round; ``connector_share``: the fraction of that run's wall
@@ -230,7 +233,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         for p in first:
             _first(llm, p)  # kvtier stores the documents
         _settle(llm)
-        recompute, host, hits, ref, own = [], [], [], [], []
+        recompute, host, hits, ref, own, host_load = [], [], [], [], [], []
         identical = True
         for p in other:  # interleaved: both engines see the same machine load
             plain.reset_prefix_cache()
@@ -238,7 +241,9 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             recompute.append(dt)
             own.append(_first(plain, p)[0])  # vLLM's own prefix cache: the floor
             llm.reset_prefix_cache()
+            before = _stats(llm).get("load_s", 0.0)
             dt, got, cached = _first(llm, p)
+            host_load.append(_stats(llm).get("load_s", 0.0) - before)
             host.append(dt)
             hits.append(cached)
             identical = identical and got == tok
@@ -263,9 +268,11 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         _close(llm)
         llm = _engine(model_dir, kv, max_len)  # warm restart over the same NVMe directory
         _first(llm, warm)  # (in kvtier from the first engine: now served from NVMe)
-        nvme, nvme_hits = [], []
+        nvme, nvme_hits, nvme_load = [], [], []
         for i, p in enumerate(first):
+            before = _stats(llm).get("load_s", 0.0)
             dt, tok, cached = _first(llm, p)
+            nvme_load.append(_stats(llm).get("load_s", 0.0) - before)
             nvme.append(dt)
             nvme_hits.append(cached)
             identical = identical and tok == ref[i]
@@ -287,6 +294,9 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         host_s=h,
         nvme_s=n,
         host_cached_tokens=hits,
+        # the connector's own load time inside host_s / nvme_s (the rest is vLLM's step)
+        host_load_s=statistics.median(host_load),
+        nvme_load_s=statistics.median(nvme_load),
         nvme_cached_tokens=nvme_hits,
         speedup_host=rec / h,
         speedup_nvme=rec / n,
