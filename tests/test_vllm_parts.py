@@ -332,3 +332,40 @@ def test_lora_adapters_never_share_blocks_and_the_same_adapter_hits() -> None:
         assert sched.matched(_request("base", toks.tolist()), 0) == 0
     finally:
         w.close()
+
+
+def test_redis_killed_between_lookup_and_load_is_a_load_error_not_wrong_kv() -> None:
+    """A real redis-server holds a prefix (written through by another rank's store); this
+    store's lookup finds it there, then Redis is killed before the load: the pages are
+    reported as load errors (vLLM recomputes them), untouched, and nothing raises."""
+    from tests.servers import redis_server_process
+
+    redis = redis_server_process().start()
+    tiers = [
+        {"kind": "host", "capacity": "8MiB"},
+        {
+            "kind": "redis",
+            "url": f"redis://127.0.0.1:{redis.port}",
+            "prefix": "parts",
+            "secret": "s",
+        },
+    ]
+    try:
+        caches = _caches(9)
+        toks = _tokens(9, 2 * BT + 1)
+        a = _worker(caches, tiers)
+        a.save(KvtierMetadata(saves=[_op(toks, 0, 2 * BT, [0, 1, 2, 3])]))
+        a.close()  # drains the write-through to Redis
+        b = _worker(caches, tiers)  # empty host tier: the prefix is only in Redis
+        try:
+            assert b.backend.lookup(toks, Scope()) == 2 * BT
+            redis.kill()
+            sentinel = [c[8:12].clone() for c in caches]
+            b.load(KvtierMetadata(loads=[_op(toks, 0, 2 * BT, [8, 9, 10, 11])]))
+            assert b.take_load_errors() == {8, 9, 10, 11}
+            assert all(torch.equal(c[8:12], s) for c, s in zip(caches, sentinel, strict=True))
+            assert b.backend.lookup(toks, Scope()) == 0  # and later lookups miss
+        finally:
+            b.close()
+    finally:
+        redis.stop()
