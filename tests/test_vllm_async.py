@@ -51,6 +51,15 @@ def _settle(llm: Any, tokens: int) -> dict[str, Any]:
     return st
 
 
+def _reset(llm: Any) -> None:
+    """Reset vLLM's prefix cache; it succeeds only once no block is held, so this also waits
+    for the workers to report the async saves of the finished requests (delayed free)."""
+    deadline = time.monotonic() + 30
+    while not llm.reset_prefix_cache():
+        assert time.monotonic() < deadline, "pages of finished requests were never freed"
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from vllm.config import KVTransferConfig
@@ -97,7 +106,7 @@ def test_async_saves_on_an_fp8_cache_serve_identical_tokens(llm: Any) -> None:
     p1, p2 = H.prompt(doc + _tokens(2, 40)), H.prompt(doc + _tokens(3, 50))
     _run(llm, p1)
     _settle(llm, DOC)
-    llm.reset_prefix_cache()
+    _reset(llm)
     served = _run(llm, p2)
     assert served.num_cached_tokens == DOC  # from kvtier
     own = _run(llm, p2)  # vLLM's own prefix cache
@@ -110,6 +119,7 @@ def test_async_saves_on_an_fp8_cache_serve_identical_tokens(llm: Any) -> None:
         out = _run(llm, H.prompt(_tokens(100 + i, 600)))
         assert len(out.outputs[0].token_ids) == 8
     st = _settle(llm, DOC + 8 * 512)
+    _reset(llm)  # every block is free again
     assert st["save_failures"] == 0 and st["save_dropped"] == 0
     assert "|cache_dtype=fp8_e4m3|" in st["engine_tag"]  # blocks keyed by the fp8 scales
     assert re.search(r"\|scales=[0-9a-f]{24}$", st["engine_tag"]), st["engine_tag"]
@@ -123,7 +133,7 @@ def test_prompt_embeds_are_not_cached_and_counted(llm: Any) -> None:
     prompt = {"prompt_embeds": embeds.to(torch.bfloat16)}
     saved = _stats(llm)["saved_tokens"]
     first = _run(llm, prompt)
-    llm.reset_prefix_cache()
+    _reset(llm)
     again = _run(llm, prompt)
     assert again.num_cached_tokens == 0  # kvtier never serves what token ids do not name
     assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids)
