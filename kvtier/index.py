@@ -65,6 +65,12 @@ class BlockIndex:
             for t, c in enumerate(capacities)
         ]
         self.resident = [0] * len(capacities)  # complete + pending-in, per tier
+        #: tiers below the first whose policy wants to hear of the lookups that missed it
+        self.told = [
+            t
+            for t, p in enumerate(self.policies)
+            if t and p is not None and type(p).missed is not EvictionPolicy.missed
+        ]
 
     # -- queries ---------------------------------------------------------------------------
     def readable(self, key: BlockKey) -> Entry | None:
@@ -98,6 +104,10 @@ class BlockIndex:
         """Commit (``ok``) or roll back the writes of ``keys`` into ``tier``; prefix order.
         ``reuse_class`` labels the committed keys for the tier's policy (a store's new blocks).
 
+        A commit into the first tier is also told to each lower tier's policy
+        (``EvictionPolicy.missed``) for the keys that tier does not hold: lookups that reached
+        it and missed.
+
         Exception-safe: if the policy raises while taking the committed keys, every write of
         the call is rolled back (none stays in the index, so none is left that the policy cannot
         evict) and the exception propagates; the caller must delete them from the tier."""
@@ -121,6 +131,13 @@ class BlockIndex:
             except BaseException:
                 self._uncommit(committed, tier)
                 raise
+        if not tier and committed and self.told:
+            entries = self.entries
+            for t in self.told:
+                b = 1 << t
+                missed = [k for k in committed if not (entries[k].tiers | entries[k].pending) & b]
+                if missed:
+                    self.policies[t].missed(missed)  # type: ignore[union-attr]
 
     def _uncommit(self, keys: Sequence[BlockKey], tier: int) -> None:
         """Take back the commit of ``keys`` into ``tier`` (its policy raised while taking them):
