@@ -94,6 +94,16 @@ class BlockIndex:
         self.resident[tier] += 1
         return e
 
+    def begin_writes(self, keys: Sequence[BlockKey], tier: int) -> None:
+        """``begin_write`` of each of ``keys`` into ``tier``, in one loop."""
+        entries, bit = self.entries, 1 << tier
+        for key in keys:
+            e = entries.get(key)
+            if e is None:
+                e = entries[key] = Entry()
+            e.pending |= bit
+        self.resident[tier] += len(keys)
+
     def end_write(
         self,
         keys: Sequence[BlockKey],
@@ -113,9 +123,11 @@ class BlockIndex:
         evict) and the exception propagates; the caller must delete them from the tier."""
         bit = 1 << tier
         policy = self.policies[tier]
+        entries = self.entries
         committed = []
+        undone = 0
         for key, good in zip(keys, ok, strict=True):
-            e = self.entries.get(key)
+            e = entries.get(key)
             if e is None or not e.pending & bit:
                 continue
             e.pending &= ~bit
@@ -123,8 +135,10 @@ class BlockIndex:
                 e.tiers |= bit
                 committed.append(key)
             else:
-                self.resident[tier] -= 1
-                self._forget_if_empty(key, e)
+                undone += 1
+                if not e.tiers and not e.pending and e.pins <= 0:
+                    del entries[key]
+        self.resident[tier] -= undone
         if policy is not None and committed:
             try:
                 policy.insert(committed, reuse_class)
@@ -132,7 +146,6 @@ class BlockIndex:
                 self._uncommit(committed, tier)
                 raise
         if not tier and committed and self.told:
-            entries = self.entries
             for t in self.told:
                 b = 1 << t
                 missed = [k for k in committed if not (entries[k].tiers | entries[k].pending) & b]
@@ -216,15 +229,18 @@ class BlockIndex:
             policy.refresh(keys)
 
     def pin(self, keys: Sequence[BlockKey]) -> None:
+        entries = self.entries
         for key in keys:
-            self.entries[key].pins += 1
+            entries[key].pins += 1
 
     def unpin(self, keys: Sequence[BlockKey]) -> None:
+        entries = self.entries
         for key in keys:
-            e = self.entries.get(key)
+            e = entries.get(key)
             if e is not None:
                 e.pins -= 1
-                self._forget_if_empty(key, e)
+                if e.pins <= 0 and not e.tiers and not e.pending:
+                    del entries[key]
 
     def plan_room(self, tier: int, n: int) -> list[BlockKey] | None:
         """Victims to evict from ``tier`` so ``n`` more blocks fit; None if impossible.
@@ -242,7 +258,7 @@ class BlockIndex:
 
         def evictable(key: BlockKey) -> bool:
             e = entries[key]
-            return e.pins == 0 and e.pending == 0
+            return not (e.pins or e.pending)
 
         return policy.evict(need, evictable)
 

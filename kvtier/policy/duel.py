@@ -54,13 +54,16 @@ class Shadow:
         many as fit, the keys named here pinned while room is made)."""
         res = self.resident
         pol = self.policy
-        hit = [k for k in keys if k in res]
+        hit: list[Any] = []
+        new: list[Any] = []
+        for k in keys:
+            (hit if k in res else new).append(k)
         if hit:
             self.hits += len(hit)
             pol.access(hit)
-        if len(hit) == len(keys):
+        if not new:
             return
-        new = [k for k in keys if k not in res][: max(0, self.capacity - len(hit))]
+        del new[max(0, self.capacity - len(hit)) :]
         need = len(pol) + len(new) - self.capacity
         if need > 0:
             named = set(keys)

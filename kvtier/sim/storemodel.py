@@ -93,16 +93,12 @@ class ModelStore:
     # -- load: ReadPath.load / _load_pass / _promote ---------------------------------------
     def _load(self, keys: list[BlockKey]) -> list[Read]:
         dec, idx = self.decider, self.index
-        entries = idx.entries
-        n = 0
-        for k in keys:  # TieredStore.lookup
-            e = entries.get(k)
-            if e is None or not e.tiers:
-                break
-            n += 1
+        # TieredStore.lookup, then the load's readable prefix: with every move done at once no
+        # copy is pending or leaving, so the two agree and one pass gives both
+        reads = dec.readable_prefix(iter(keys), len(keys))
+        n = len(reads)
         if not n:
             return []
-        reads = dec.readable_prefix(iter(keys), n)
         idx.pin([r.key for r in reads])
         promote, _ = dec.finish_load(reads, [True] * n, n, "")
         if promote:
@@ -122,11 +118,11 @@ class ModelStore:
             moves = self.decider.plan_fetch([r for r in reads if r.key in wanted], "")
             self._run("promote", moves)
             return
+        wanted = set(todo)
         for r in reads:
-            if r.key in todo:
+            if r.key in wanted:
                 self.promoted[r.tier] += 1
-        for k in todo:
-            idx.begin_write(k, 0)
+        idx.begin_writes(todo, 0)
         idx.end_write(todo, 0, [True] * len(todo))
         self.decider.counters.promotions += len(todo)
         self.written[0] += len(todo)
@@ -135,9 +131,12 @@ class ModelStore:
     def _store(self, keys: list[BlockKey], hint: Hashable | None) -> None:
         idx = self.index
         entries = idx.entries
-        held_at = [(e := entries.get(k)) is not None and bool(e.tiers | e.pending) for k in keys]
-        new = [k for k, h in zip(keys, held_at, strict=True) if not h]
-        held = [k for k, h in zip(keys, held_at, strict=True) if h]
+        new: list[BlockKey] = []
+        held: list[BlockKey] = []
+        get = entries.get
+        for k in keys:
+            e = get(k)
+            (held if e is not None and (e.tiers or e.pending) else new).append(k)
         idx.pin(held)
         step = self.cap0 or len(new) or 1
         below = len(self.decider.local) > 1 or bool(self.decider.shared)
@@ -155,8 +154,7 @@ class ModelStore:
         new_keys = [
             k for k in keys[:fit] if (e := entries.get(k)) is None or not (e.tiers | e.pending)
         ]
-        for k in new_keys:
-            idx.begin_write(k, 0)
+        idx.begin_writes(new_keys, 0)
         idx.end_write(new_keys, 0, [True] * len(new_keys), hint)
         self.written[0] += len(new_keys)
         return len(new_keys)
