@@ -97,7 +97,8 @@ def replay_cluster(
         )
     if any(s.policy.lower() == "belady" for s in specs):
         raise ConfigError(
-            "belady is not offered for a cluster (--nodes > 1): pick an online policy"
+            "belady is not offered for a cluster (--nodes > 1) or a shared tier (pool, object): "
+            "pick an online policy"
         )
     n_req = len(trace.requests)
     hits = np.zeros((len(specs), n_req), dtype=np.int64)

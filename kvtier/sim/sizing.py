@@ -118,7 +118,7 @@ def sized(hier: Hierarchy, caps_bytes: tuple[int, ...]) -> Hierarchy:
 def exact_p90(trace: Trace, hier: Hierarchy, hints: bool = True) -> tuple[float, Any]:
     """Replay ``hier`` (sizes as given; ``hints`` as ``replay``) and return (TTFT p90 in s, the
     replay result)."""
-    if hier.nodes > 1:
+    if hier.clustered:
         specs = hier.specs()
         res = replay_cluster(trace, specs, hier.nodes, hier.shared_from, hier.route, hints)
     else:
