@@ -66,7 +66,7 @@ class BlockIndex:
         ]
         self.resident = [0] * len(capacities)  # complete + pending-in, per tier
         #: tiers below the first whose policy wants to hear of the lookups that missed it
-        self.told = [
+        self._told_misses = [
             t
             for t, p in enumerate(self.policies)
             if t and p is not None and type(p).missed is not EvictionPolicy.missed
@@ -145,8 +145,8 @@ class BlockIndex:
             except BaseException:
                 self._uncommit(committed, tier)
                 raise
-        if not tier and committed and self.told:
-            for t in self.told:
+        if not tier and committed and self._told_misses:
+            for t in self._told_misses:
                 b = 1 << t
                 missed = [k for k in committed if not (entries[k].tiers | entries[k].pending) & b]
                 if missed:
