@@ -172,7 +172,10 @@ class Decider:
         self.counters.evictions += len(victims)
         self.evicting[tier] += len(victims)
         lower = self.next_local(tier)
-        below = ~((2 << tier) - 1)  # bits of every tier after this one
+        # a victim already held by a later local tier is dropped here (inclusive hierarchy); a
+        # copy in a shared tier does not count: the pool evicts on its own and is slower than
+        # any local tier, so the victim still goes down the local chain
+        below = sum(1 << i for i in self.local if i > tier)
         entries, bit = idx.entries, 1 << tier
         move_keys: list[BlockKey] = []
         drop_keys: list[BlockKey] = []

@@ -114,8 +114,8 @@ def test_a_pool_that_holds_everything_serves_every_reuse_on_any_node(seed: int) 
     assert shared.hit_tokens[2].sum() > 0
     full = {k for r in trace.requests for k in r.blocks[: r.input_length // BT]}
     assert shared.written_blocks[2] == len(full)  # every stored block written through once
-    # a victim the node wrote through has a copy below: it is dropped, not demoted to dram
-    assert shared.written_blocks[1] < alone.written_blocks[1]
+    # a victim goes down the node's own chain although the pool has a copy: dram still serves
+    assert shared.hit_tokens[1].sum() > 0
 
 
 def test_prefix_routing_keeps_requests_that_start_alike_on_one_node() -> None:

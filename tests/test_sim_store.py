@@ -59,9 +59,8 @@ def test_a_shared_tier_is_the_stores_shared_tier(
     nodes: int, redis_url: str, tmp_path: Path
 ) -> None:
     """Host + NVMe per node over a real Redis tier they share (big enough never to evict):
-    the simulator's shared-tier model gives the store's token hits, per tier. A host victim the
-    node wrote through has a copy below, so the store drops it instead of demoting it: the NVMe
-    tier serves nothing, in both."""
+    the simulator's shared-tier model gives the store's token hits, per tier. A host victim goes
+    down the local chain although the pool holds a copy: NVMe serves before the pool, in both."""
     trace = generate("chat", 400, seed=3)
     n = distinct_full_blocks(trace)
     prefix = "simshared" + uuid.uuid4().hex[:8]
@@ -78,4 +77,4 @@ def test_a_shared_tier_is_the_stores_shared_tier(
     assert sim.hit_tokens.sum() == pytest.approx(store.hit_tokens, rel=0.01)
     for t in range(3):
         assert sim.hit_tokens[t].sum() == pytest.approx(store.by_tier[t], rel=0.01, abs=1)
-    assert store.by_tier[1] == sim.hit_tokens[1].sum() == 0
+    assert store.by_tier[1] > 0
