@@ -89,6 +89,8 @@ def test_two_engines_share_a_prefix_through_the_service(
         got = hf.generate_with_cache(model, b, _ids(), 6)
         assert got.n_reused == N - hf.MIN_RECOMPUTE and set(got.sources) == {"host"}
         assert _same(got, ref)
+        with pytest.raises(ConfigError, match="layerwise"):  # not offered over the service
+            hf.generate_with_cache(model, b, _ids(), 6, layerwise=True)
 
 
 def test_a_service_of_another_layout_is_refused_with_the_keys_to_set(

@@ -242,7 +242,8 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._engine_id, rank, backend.lookup, self._worker.lease, self._worker.stats
             )
         )
-        log.info("kvtier: rank %d store ready (%s)", rank, ident.engine_tag)
+        where = f"uses kvtier serve at {service.url}" if service else "store ready"
+        log.info("kvtier: rank %d %s (%s)", rank, where, ident.engine_tag)
 
     def get_handshake_metadata(self) -> RankHandshake | None:
         return self._handshake  # service mode: what the scheduler looks up under

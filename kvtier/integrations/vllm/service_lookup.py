@@ -46,6 +46,7 @@ class ServiceLookup:
         self._clients: list[Any] = []
         self._leases: dict[str, list[Lease]] = {}
         self.failures = 0
+        self._warned = False
 
     @property
     def ranks(self) -> int:
@@ -80,6 +81,9 @@ class ServiceLookup:
     def lookup(self, tokens: np.ndarray[Any, Any], scope: Scope, start: int = 0) -> int:
         """The end of the prefix every rank holds (``start``.. when none is reachable)."""
         if not self._clients:
+            if not self._warned:  # vLLM never passed the ranks' identities: nothing to name
+                self._warned = True
+                log.warning("kvtier: no rank identities from vLLM's handshake; lookups miss")
             return 0
         end = len(tokens)
         try:
