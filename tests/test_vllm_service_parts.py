@@ -160,6 +160,7 @@ def test_two_ranks_share_nothing_and_the_scheduler_takes_the_minimum(
             x.close()
 
 
+@pytest.mark.timeout(120)  # a hang, not a slow machine, is what this bound catches
 def test_a_killed_service_is_misses_then_hits_again(service: ServiceProc) -> None:
     toks = np.random.default_rng(5).integers(0, 30000, 2 * BT + 3).astype(np.int32)
     caches = _caches(6)
@@ -170,13 +171,11 @@ def test_a_killed_service_is_misses_then_hits_again(service: ServiceProc) -> Non
         w.save(KvtierMetadata(saves=[_op(toks, 2 * BT, [0, 1, 2, 3])]))
         assert sched.lookup(toks, Scope()) == 2 * BT
         service.kill()
-        t0 = time.monotonic()
-        assert sched.lookup(toks, Scope()) == 0  # bounded by the timeout, never an exception
+        assert sched.lookup(toks, Scope()) == 0  # after at most the timeout; never an exception
         assert sched.lease("r", toks, Scope(), 0) == 0
         w.load(KvtierMetadata(loads=[_op(toks, 2 * BT, [4, 5, 6, 7])]))
         assert w.take_load_errors() == {4, 5, 6, 7}  # vLLM recomputes these pages
         w.save(KvtierMetadata(saves=[_op(toks, 2 * BT, [0, 1, 2, 3])]))  # a no-op, no raise
-        assert time.monotonic() - t0 < 10
         service.start()
         assert until(lambda: len(_sessions(service.url)) == 2)  # both clients are back
         w.save(KvtierMetadata(saves=[_op(toks, 2 * BT, [0, 1, 2, 3])]))  # a fresh service
