@@ -187,3 +187,24 @@ def test_a_killed_service_is_misses_then_hits_again(service: ServiceProc) -> Non
     finally:
         sched.close()
         w.close()
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_started_before_its_service_connects_when_it_is_up() -> None:
+    svc = ServiceProc(layout=LAYOUT, host="1MiB", timeout=1.0, lease_ttl=3.0)  # not started
+    toks = np.random.default_rng(7).integers(0, 30000, 2 * BT + 3).astype(np.int32)
+    caches = _caches(8)
+    w = _worker(svc.url, 0, caches)  # the engine starts: misses, no error
+    sched = ServiceLookup(svc.url, 1.0, name="sched")
+    try:
+        sched.attach({(0, 0): RankHandshake(_rank(0), LAYOUT)})
+        w.save(KvtierMetadata(saves=[_op(toks, 2 * BT, [0, 1, 2, 3])]))
+        assert w.saved_tokens == 0 and sched.lookup(toks, Scope()) == 0
+        svc.start()
+        assert until(lambda: len(_sessions(svc.url)) == 2)
+        w.save(KvtierMetadata(saves=[_op(toks, 2 * BT, [0, 1, 2, 3])]))
+        assert w.saved_tokens == 2 * BT and sched.lookup(toks, Scope()) == 2 * BT
+    finally:
+        sched.close()
+        w.close()
+        svc.cleanup()
