@@ -145,3 +145,18 @@ def test_two_engines_share_one_service(model: Path, service: ServiceProc) -> Non
         for e in (a, b):
             if e is not None:
                 _close(e)
+
+
+@pytest.mark.slow  # four engine starts and a service
+def test_bench_vllm_service_runs_small_and_serves_identically(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import json
+
+    from kvtier.cli.main import main
+
+    rc = main(["bench", "vllm-service", "--json", "--doc", "512", "--docs", "1", "--layers",
+               "2", "--hidden", "256"])  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["identical"] is True
+    assert out["cached_tokens"] == {"inprocess": [512], "service": [512], "restart": [512]}
