@@ -41,7 +41,7 @@ from kvtier.lease import Lease
 from kvtier.moves import split_moves
 from kvtier.readpath import ReadPath
 from kvtier.store_core import log
-from kvtier.tiers.base import Array
+from kvtier.tiers.base import Array, Tier
 
 if TYPE_CHECKING:
     from kvtier.service.client import ServiceClient
@@ -60,12 +60,25 @@ class TieredStore(ReadPath):
         cls,
         config: StoreConfig | Mapping[str, Any] | str | Path,
         env: Mapping[str, str] | None = None,
+        *,
+        first: Tier | None = None,
     ) -> TieredStore:
-        """Build a store and its tiers from a ``StoreConfig``, a config dict or a TOML path."""
+        """Build a store and its tiers from a ``StoreConfig``, a config dict or a TOML path.
+        ``first``, when given, is the first tier, built by the caller from the first
+        ``[[tiers]]`` table (the node service builds its host tier in shared memory); the
+        store owns it from here (closed with the store, or on a failure here)."""
         from kvtier.tiers.registry import make_tiers
 
         cfg = StoreConfig.load(config, env)
-        tiers = make_tiers(cfg.layout, cfg.tiers, secret=cfg.secret)
+        try:
+            rest = cfg.tiers if first is None else cfg.tiers[1:]
+            tiers = make_tiers(cfg.layout, rest, secret=cfg.secret)
+        except BaseException:
+            if first is not None:
+                first.close()
+            raise
+        if first is not None:
+            tiers.insert(0, first)
         try:
             return cls(
                 cfg.layout,
@@ -186,36 +199,18 @@ class TieredStore(ReadPath):
         toks = TokenIds(tokens)
         arr = host_array(kv, self.layout, "kv")
         ns = self.namespace(tenant, adapter, salt)
-        first = self._first_block(start, toks)
+        self._first_block(start, toks)  # a bad start is named before the sizes are compared
         if start + arr.shape[2] > len(toks):
             raise LayoutError(
                 f"kv covers {arr.shape[2]} tokens from {start} but only {len(toks)} token ids "
                 "were given"
             )
-        bt = self.layout.block_tokens
-        n_blocks = arr.shape[2] // bt
-        keys = list(islice(iter_keys(ns, toks), first, first + n_blocks))  # checks their ids
-        toks.validate((first + n_blocks) * bt)  # and the rest, before any write
+        n_blocks = arr.shape[2] // self.layout.block_tokens
+        keys, new, held = self._begin_store(toks, start, n_blocks, ns)
         views = self._views(arr, n_blocks)
-        self._poll()
-        with self._lock:
-            new = [i for i, k in enumerate(keys) if not self._held(k)]
-            for cnt in self._decider.counted(ns.tenant):
-                cnt.skipped_blocks += n_blocks - len(new)
-            # the cached part is pinned while new blocks make room: no parent is evicted to
-            # make room for its own child
-            fresh = set(new)
-            held = [k for i, k in enumerate(keys) if i not in fresh]
-            self._index.pin(held)
         written = 0
         try:
-            # a store larger than the first tier goes in slices: earlier slices get demoted (or
-            # written through). With nowhere below, later slices would only evict the earlier
-            # ones and keep a tail without its parents: the head that fits is stored instead.
-            step = self.tiers[0].capacity_blocks or len(new) or 1
-            below = len(self._decider.local) > 1 or bool(self._shared)
-            for start in range(0, len(new) if below else min(len(new), 1), step):
-                part = new[start : start + step]
+            for part in self._store_slices(new):
                 done = self._store_blocks(
                     [keys[i] for i in part], [views[i] for i in part], ns, reuse_class
                 )
@@ -223,13 +218,49 @@ class TieredStore(ReadPath):
                 if done < len(part):
                     break
         finally:
-            with self._lock:
-                self._index.unpin(held)
-                # the cached part is reordered after the new blocks, so parents outlive their
-                # children; not a hit: it was counted when loaded, or stored by this request
-                in_first = [k for k in held if (e := self._index.entries.get(k)) and e.tiers & 1]
-                self._index.refresh(in_first, 0)
+            self._end_store(held)
         return written * self.layout.block_tokens
+
+    # The phases of a store, shared with stores whose bytes another process copies (the node
+    # service's clients, ``kvtier.service.arena``): keys and pins, slices, room and pending
+    # writes in the first tier, their commit, the pins' release.
+    def _begin_store(
+        self, toks: TokenIds, start: int, n_blocks: int, ns: Namespace
+    ) -> tuple[list[BlockKey], list[int], list[BlockKey]]:
+        """The keys of ``n_blocks`` blocks from ``start`` (every id checked), the positions of
+        those not held yet, and those held -- pinned until ``_end_store``: no parent is
+        evicted to make room for its own child."""
+        first = self._first_block(start, toks)
+        bt = self.layout.block_tokens
+        keys = list(islice(iter_keys(ns, toks), first, first + n_blocks))  # checks their ids
+        toks.validate((first + n_blocks) * bt)  # and the rest, before any write
+        self._poll()
+        with self._lock:
+            new = [i for i, k in enumerate(keys) if not self._held(k)]
+            for cnt in self._decider.counted(ns.tenant):
+                cnt.skipped_blocks += n_blocks - len(new)
+            fresh = set(new)
+            held = [k for i, k in enumerate(keys) if i not in fresh]
+            self._index.pin(held)
+        return keys, new, held
+
+    def _store_slices(self, new: list[int]) -> list[list[int]]:
+        """``new`` in the slices a store writes one after another. A store larger than the
+        first tier goes in slices: earlier slices get demoted (or written through). With
+        nowhere below, later slices would only evict the earlier ones and keep a tail without
+        its parents: the head that fits is stored instead."""
+        step = self.tiers[0].capacity_blocks or len(new) or 1
+        below = len(self._decider.local) > 1 or bool(self._shared)
+        return [new[i : i + step] for i in range(0, len(new) if below else min(len(new), 1), step)]
+
+    def _end_store(self, held: list[BlockKey]) -> None:
+        """Release ``_begin_store``'s pins."""
+        with self._lock:
+            self._index.unpin(held)
+            # the cached part is reordered after the new blocks, so parents outlive their
+            # children; not a hit: it was counted when loaded, or stored by this request
+            in_first = [k for k in held if (e := self._index.entries.get(k)) and e.tiers & 1]
+            self._index.refresh(in_first, 0)
 
     def _store_blocks(
         self,
@@ -239,17 +270,9 @@ class TieredStore(ReadPath):
         reuse_class: Hashable | None = None,
     ) -> int:
         """Write new blocks (prefix order) into the first tier; return how many were written."""
-        idx = self._index
-        with self._lock:
-            fit = self._room_in_first(len(keys))
-            if fit < len(keys):
-                self._decider.counters.dropped_for_room += len(keys) - fit
-            items = [  # another thread may have stored some meanwhile
-                (k, v) for k, v in zip(keys[:fit], views[:fit], strict=True) if not self._held(k)
-            ]
-            new_keys = [k for k, _ in items]
-            for k in new_keys:
-                idx.begin_write(k, 0)
+        picked = self._begin_first(keys)
+        new_keys = [keys[i] for i in picked]
+        items = [(keys[i], views[i]) for i in picked]
         owner = ns.owner
         first = self.tiers[0]
         try:
@@ -261,17 +284,41 @@ class TieredStore(ReadPath):
             # it wrote before raising is deleted, or those slots would be taken for good
             # (pending here, so no one else writes these keys into this tier)
             first.delete(new_keys, owner)
-            with self._lock:
-                idx.end_write(new_keys, 0, [False] * len(new_keys))
+            self._end_first(new_keys, [False] * len(new_keys), ns)
             if not isinstance(exc, Exception):
                 raise  # KeyboardInterrupt & co
             log.exception("store: %s raised on put; nothing stored", first.name)
             return 0
+        return self._end_first(new_keys, ok, ns, reuse_class)
+
+    def _begin_first(self, keys: list[BlockKey]) -> list[int]:
+        """Make room in the first tier for the leading ``keys`` that fit and mark those not
+        held meanwhile as being written there (pending: not readable); their positions."""
+        with self._lock:
+            fit = self._room_in_first(len(keys))
+            if fit < len(keys):
+                self._decider.counters.dropped_for_room += len(keys) - fit
+            picked = [i for i in range(fit) if not self._held(keys[i])]  # stored meanwhile?
+            for i in picked:
+                self._index.begin_write(keys[i], 0)
+        return picked
+
+    def _end_first(
+        self,
+        new_keys: list[BlockKey],
+        ok: list[bool],
+        ns: Namespace,
+        reuse_class: Hashable | None = None,
+    ) -> int:
+        """Commit (``ok``) or roll back the pending writes of ``_begin_first``, start their
+        write-through; return how many were committed."""
+        idx = self._index
+        owner = ns.owner
         with self._lock:
             try:
                 idx.end_write(new_keys, 0, ok, reuse_class)
             except BaseException:  # rolled back in the index: the tier forgets them too
-                first.delete([k for k, g in zip(new_keys, ok, strict=True) if g], owner)
+                self.tiers[0].delete([k for k, g in zip(new_keys, ok, strict=True) if g], owner)
                 raise
             written = sum(ok)
             tokens = written * self.layout.block_tokens

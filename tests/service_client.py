@@ -7,6 +7,10 @@
 - ``load FIRST COUNT TOKENS``: load prompts, check every loaded byte; ``loaded i n`` / ``bad i``.
 - ``lease I TOKENS``: store prompt I, lease it, print ``held END``, then sleep until killed.
 - ``model MODEL_ID I TOKENS``: as another identity, print ``lookup END`` for prompt I.
+- ``stall-store I TOKENS``: reserve arena slots for prompt I, copy half its blocks into them,
+  print ``reserved N`` (slots), then sleep until killed (never commits).
+- ``stall-load I TOKENS``: store prompt I, acquire its arena slots for a load, copy them out,
+  print ``acquired N``, then sleep until killed (never reports the load done).
 - ``hf TOKENS``: an HF transformers engine (a tiny random Llama on CPU) generating from a
   fixed prompt through the service; prints ``hf N_REUSED SAME`` (``SAME``: tokens and logits
   identical to a plain run).
@@ -23,7 +27,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvtier.service.client import connect
+from kvtier.service.arena_io import ArenaCopier
+from kvtier.service.client import ServiceClient, connect
 from tests.service_helpers import HF_BLOCK_TOKENS, LAYOUT, prompt
 
 
@@ -39,6 +44,8 @@ def main(argv: list[str]) -> int:
     if mode == "hf":
         return _hf(url, int(rest[0]))
     client = connect(url, timeout=5.0, layout=LAYOUT, name=f"test-{mode}")
+    if mode in ("stall-store", "stall-load"):
+        return _stall(client, mode, int(rest[0]), int(rest[1]))
     if mode == "lease":
         tokens, kv = prompt(int(rest[0]), int(rest[1]))
         client.store(tokens, kv)
@@ -60,6 +67,33 @@ def main(argv: list[str]) -> int:
             print(f"{'loaded' if ok else 'bad'} {i} {end}", flush=True)
     print("done", flush=True)
     client.close()
+    return 0
+
+
+def _stall(client: ServiceClient, mode: str, i: int, n: int) -> int:
+    """The first half of a direct transfer, by hand (``kvtier.service.arena_io`` does both)."""
+    tokens, kv = prompt(i, n)
+    raw = np.asarray(tokens, "<u4").tobytes()
+    bt = LAYOUT.block_tokens
+    link = client.link
+    assert link is not None and link.arena is not None, "the service must be in arena mode"
+    copier = ArenaCopier(LAYOUT)
+    if mode == "stall-store":
+        reply = client.call("reserve", {"start": 0, "n": n // bt * bt}, raw)
+        assert reply is not None and "slots" in reply, reply
+        half = len(reply["slots"]) // 2
+        blocks = [kv[:, :, p * bt : (p + 1) * bt] for p in reply["blocks"][:half]]
+        copier.copy_in(link.arena, blocks, reply["slots"][:half])
+        print(f"reserved {len(reply['slots'])}", flush=True)
+    else:
+        client.store(tokens, kv)
+        reply = client.call("acquire", {"start": 0}, raw)
+        assert reply is not None and reply["slots"], reply
+        outs = [np.empty(LAYOUT.kv_shape(bt), np.float16) for _ in reply["slots"]]
+        sums = np.frombuffer(reply["sums"], "<u8").tolist()
+        copier.copy_out(link.arena, outs, reply["slots"], sums)
+        print(f"acquired {len(reply['slots'])}", flush=True)
+    time.sleep(300)  # until killed (a bound, should a test fail to)
     return 0
 
 

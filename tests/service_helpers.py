@@ -57,6 +57,7 @@ class ServiceProc:
         layout: KVLayout = LAYOUT,
         root: str | None = None,
         group: str = "",
+        data: str = "arena",
     ) -> None:
         self.dir = root or tempfile.mkdtemp(prefix="kvt", dir="/tmp")
         self.sock = os.path.join(self.dir, "kv.sock")
@@ -75,7 +76,7 @@ class ServiceProc:
             f'block_tokens = {layout.block_tokens}\ndtype = "{layout.dtype}"\n'
             f"kv_factor = {layout.kv_factor}\n"
             f'{tiers}[service]\nurl = "{self.url}"\nstaging = "{staging}"\n'
-            f"lease_ttl = {lease_ttl}\ntimeout = {timeout}\n"
+            f'lease_ttl = {lease_ttl}\ntimeout = {timeout}\ndata = "{data}"\n'
             + (f'group = "{group}"\n' if group else "")
         )
         self.proc: subprocess.Popen[bytes] | None = None

@@ -20,6 +20,7 @@ pytest.importorskip("zmq")
 from kvtier.errors import ConfigError, LayoutError, TokenError
 from kvtier.open import open_store
 from kvtier.service.client import ServiceClient, connect
+from kvtier.service.config import ServiceConfig
 from kvtier.store import TieredStore
 from tests.service_helpers import (
     LAYOUT,
@@ -344,8 +345,8 @@ def test_a_session_id_is_good_only_on_its_own_connection(
 
     tokens, kv = prompt(13, 2 * BT)
     assert client.store(tokens, kv) == 2 * BT
-    assert client._link is not None
-    stolen = client._link.sid
+    assert client.link is not None
+    stolen = client.link.sid
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -379,3 +380,113 @@ def test_stats_cli_lists_clients_and_tenants(service: ServiceProc, client: Servi
     assert out.returncode == 0, out.stderr
     assert "model test/model" in out.stdout and "store" in out.stdout
     assert "tenant alice: hit 0 miss 0 stored 32" in out.stdout
+
+
+# -- the direct data path: clients copy into and out of the shared host arena -------------------
+def transfers(c: ServiceClient, name: str) -> list[object]:
+    return [s["transfers"] for s in sessions(c).values() if s["name"] == name]
+
+
+def test_clients_map_the_host_arena_owner_only(service: ServiceProc, client: ServiceClient) -> None:
+    assert client.data_path == "arena"
+    assert client.link is not None and client.link.arena is not None
+    arena = client.link.arena.path
+    assert arena is not None and os.stat(arena).st_mode & 0o777 == 0o600
+    tokens, kv = prompt(20, 4 * BT)
+    assert client.store(tokens, kv) == 4 * BT
+    host = client.stats()["tiers"]["host"]
+    assert host["puts"] == 4 and host["used_blocks"] == 4  # the client's copies, committed
+    out = np.zeros_like(kv)
+    assert client.load(tokens, out) == 4 * BT and np.array_equal(out, kv)
+    service.stop()
+    assert not os.path.exists(arena)  # the name goes with the service
+
+
+def test_a_client_killed_mid_store_leaves_nothing_visible(
+    service: ServiceProc, client: ServiceClient
+) -> None:
+    writer = client_proc(service.url, "stall-store", 21, 48 * BT)
+    assert wait_line(writer, "reserved") == "reserved 48"  # half of them written, none committed
+    assert transfers(client, "test-stall-store") == [1]
+    tokens, kv = prompt(21, 48 * BT)
+    assert client.lookup(tokens) == 0  # reserved slots are invisible
+    other, okv = prompt(22, 32 * BT)
+    assert client.store(other, okv) == 16 * BT  # the reservation holds 48 of the 64 slots
+    kill9(writer)
+    assert until(lambda: all(s["name"] != "test-stall-store" for s in sessions(client).values()))
+    assert client.lookup(tokens) == 0  # never became visible
+    assert client.store(other, okv) == 16 * BT  # the slots are free again: the rest fits
+    assert client.lookup(other) == 32 * BT
+    assert client.store(tokens, kv) == 48 * BT  # the half-written slots are reused, cleanly
+    out = np.zeros_like(kv)
+    assert client.load(tokens, out) == 48 * BT and np.array_equal(out, kv)
+
+
+def test_a_client_killed_mid_load_releases_its_slots(
+    service: ServiceProc, client: ServiceClient
+) -> None:
+    reader = client_proc(service.url, "stall-load", 23, 40 * BT)
+    assert wait_line(reader, "acquired") == "acquired 40"
+    assert transfers(client, "test-stall-load") == [1]
+    tokens, kv = prompt(24, 48 * BT)
+    assert client.store(tokens, kv) == 24 * BT  # the 40 acquired blocks cannot be evicted
+    held, hkv = prompt(23, 40 * BT)
+    out = np.zeros_like(hkv)
+    assert client.load(held, out) == 40 * BT and np.array_equal(out, hkv)  # others read on
+    kill9(reader)
+    assert until(lambda: all(s["name"] != "test-stall-load" for s in sessions(client).values()))
+    assert client.store(tokens, kv) == 24 * BT  # unpinned: evicted to make room for the rest
+    assert client.lookup(tokens) == 48 * BT
+
+
+def test_bytes_overwritten_in_the_shared_arena_are_a_miss(client: ServiceClient) -> None:
+    tokens, kv = prompt(25, 4 * BT)
+    assert client.store(tokens, kv) == 4 * BT
+    assert client.link is not None and client.link.arena is not None
+    client.link.arena.array[:] = 7  # a client that maps the arena can write anything into it
+    out = np.zeros_like(kv)
+    assert client.load(tokens, out) == 0  # the checksums live in the service: a miss
+    assert client.stats()["store"]["invalid_blocks"] == 1
+    assert client.lookup(tokens) == 0  # the corrupt first block was dropped
+
+
+def test_staging_mode_keeps_clients_out_of_the_arena() -> None:
+    svc = ServiceProc(host="256KiB", data="staging")
+    try:
+        svc.start()
+        with connect(svc.url, timeout=2.0) as c:
+            assert c.data_path == "staging"
+            assert c.link is not None and c.link.arena is None
+            named = ServiceConfig(url=svc.url).arena_path  # where arena mode would name it
+            assert named is not None and not os.path.exists(named)  # the arena is anonymous
+            tokens, kv = prompt(26, 40 * BT)  # larger than the staging region: chunked
+            assert c.store(tokens, kv) == 40 * BT
+            out = np.zeros_like(kv)
+            assert c.load(tokens, out) == 40 * BT and np.array_equal(out, kv)
+        with connect(svc.url, timeout=2.0) as c:  # and the next client is served the same
+            out = np.zeros_like(kv)
+            assert c.load(tokens, out) == 40 * BT and np.array_equal(out, kv)
+    finally:
+        svc.cleanup()
+
+
+@pytest.mark.slow  # starts two services and client processes: ~30 s on 2 cores
+def test_bench_host_url_compares_the_service_with_in_process() -> None:
+    import argparse
+
+    from kvtier.bench import host
+
+    p = argparse.ArgumentParser()
+    host.add_arguments(p)
+    args = p.parse_args(
+        ["--url", "auto", "--mib", "4", "--rounds", "1", "--clients", "2", "--host-mib", "32"]
+    )
+    out = host.run(args)
+    assert out["data_path"] == "arena"
+    for name in ("service", "service_staging", "service_buffer"):
+        for kind in ("store", "load"):
+            ratio = out[f"{name}_{kind}_gbps"] / out[f"in_process_{kind}_gbps"]
+            assert out[f"{name}_{kind}_vs_in_process"] == pytest.approx(ratio)
+    assert out["clients_vs_one"] == pytest.approx(out["2_clients_gbps"] / out["one_client_gbps"])
+    assert 0 < out["service_miss_4k_in_service_us"] < out["service_miss_4k_us"]
+    assert out["service_ping_us"] > 0 and out["in_process_lookup_128k_ms"] > 0

@@ -21,6 +21,11 @@ ratio within each round (its spread).
 
 Also timed: ``lookup`` of a fully cached 128K-token prompt (numpy token array and Python list)
 and a miss on the first block.
+
+``--url URL`` benches the node-local service instead (``kvtier.bench.service``: the same
+stores, loads and lookups in-process and through the service at ``URL``, in the same run, with
+their ratios; ``--url auto`` starts a service of its own). ``kvtier bench service`` is that
+bench with ``--url auto``.
 """
 
 from __future__ import annotations
@@ -41,13 +46,22 @@ from kvtier.transfer import TransferEngine
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvtier.bench.service import add_service_arguments
+
     p.add_argument("--gib", type=float, default=1.0, help="GiB moved per round (default 1)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workers", type=int, default=2, help="transfer engine workers")
     p.add_argument("--model", default="Llama-3.1-8B", help="layout preset")
+    p.add_argument(
+        "--url",
+        default=None,
+        help="bench the kvtier service at this URL against in-process ('auto': start one)",
+    )
+    add_service_arguments(p)
 
 
-def _best(fn: Any, rounds: int) -> float:
+def best_time(fn: Any, rounds: int) -> float:
+    """The fastest of ``rounds`` calls of ``fn`` (seconds)."""
     best = float("inf")
     for _ in range(rounds):
         t0 = time.perf_counter()
@@ -56,26 +70,48 @@ def _best(fn: Any, rounds: int) -> float:
     return best
 
 
+LONG_PROMPT = 128 * 1024
+
+
+def lookup_times(store: Any, rounds: int, *, as_list: bool = False) -> dict[str, float]:
+    """Best per-call times of ``store.lookup`` (a ``TieredStore`` or a service client, any
+    layout: keys cost per block, not per byte): a cached 128K-token prompt (stored here first
+    if it is not), the same as a Python list (``as_list``), and a miss on the first block of
+    a 128K-token and of a 4K-token prompt."""
+    toks = np.random.default_rng(1).integers(0, 128_000, LONG_PROMPT, dtype=np.int64)
+    lay: KVLayout = store.layout
+    if store.lookup(toks) != LONG_PROMPT:
+        store.store(toks, np.zeros(lay.kv_shape(LONG_PROMPT), lay.storage_dtype))
+    if store.lookup(toks) != LONG_PROMPT:
+        raise RuntimeError("bench: the 128K-token prompt did not stay cached; raise the host tier")
+    miss = toks.copy()
+    miss[0] += 1
+    short = miss[:4096].copy()
+    reps = 20
+    out = {
+        "lookup_128k_ms": 1e3
+        * best_time(lambda: [store.lookup(toks) for _ in range(reps)], rounds)
+        / reps,
+        "lookup_miss_us": 1e6
+        * best_time(lambda: [store.lookup(miss) for _ in range(200)], rounds)
+        / 200,
+        "lookup_miss_4k_us": 1e6
+        * best_time(lambda: [store.lookup(short) for _ in range(500)], rounds)
+        / 500,
+    }
+    if as_list:
+        listed = toks.tolist()
+        out["lookup_128k_list_ms"] = (
+            1e3 * best_time(lambda: [store.lookup(listed) for _ in range(reps)], rounds) / reps
+        )
+    return out
+
+
 def _lookup_times(rounds: int) -> dict[str, float]:
     lay = KVLayout(layers=1, kv_heads=1, head_dim=8, dtype="float16")  # keys don't care
-    n = 128 * 1024
-    toks = np.random.default_rng(1).integers(0, 128_000, n, dtype=np.int64)
-    tier = HostTier(lay, (n // 256 + 8) * lay.block_bytes)
+    tier = HostTier(lay, (LONG_PROMPT // 256 + 8) * lay.block_bytes)
     with TieredStore(lay, [tier], workers=1, model_id="bench") as st:
-        st.store(toks, np.zeros(lay.kv_shape(n), lay.storage_dtype))
-        assert st.lookup(toks) == n
-        as_list = toks.tolist()
-        miss = toks.copy()
-        miss[0] += 1
-        reps = 20
-        full = _best(lambda: [st.lookup(toks) for _ in range(reps)], rounds) / reps
-        full_list = _best(lambda: [st.lookup(as_list) for _ in range(reps)], rounds) / reps
-        first = _best(lambda: [st.lookup(miss) for _ in range(1000)], rounds) / 1000
-    return {
-        "lookup_128k_ms": full * 1e3,
-        "lookup_128k_list_ms": full_list * 1e3,
-        "lookup_miss_us": first * 1e6,
-    }
+        return lookup_times(st, rounds, as_list=True)
 
 
 class _Copies:
@@ -128,6 +164,10 @@ class _Copies:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.url:
+        from kvtier.bench.service import run as run_service
+
+        return run_service(args)
     lay = preset(args.model).layout("float16", 256)
     blocks = max(1, int(args.gib * 2**30) // lay.block_bytes)
     n_tok = blocks * lay.block_tokens

@@ -1,17 +1,27 @@
-"""``kvtier bench service [--url unix:///...]``: the node-local service vs an in-process store.
+"""``kvtier bench host --url URL`` (and ``kvtier bench service``, the same with ``--url auto``):
+the node-local service against an in-process store, in the same run.
 
-Same run, same machine, same layout and host-tier size: ``store``/``load`` of ``--mib`` MiB per
-call through a ``TieredStore`` in this process, then through ``kvtier serve`` (a subprocess the
-bench starts, or the one at ``--url``) from a client process. The service is timed two ways:
-from an ordinary numpy array (the client copies through its shared staging region: one extra
-memcpy) and from ``client.buffer()`` (the engine gathers straight into the region: the same
-copies as in-process). Then ``lookup`` of a cached 128K-token prompt and of a first-block miss
-(a 4K-token prompt and the 128K one), in-process and as a service round trip, and ``--clients``
-client processes storing and loading at once (aggregate GB/s) vs one. Best of ``--rounds``.
+Same machine, same layout and host-tier size: ``store``/``load`` of ``--mib`` MiB per call
+through a ``TieredStore`` in this process, then through ``kvtier serve`` (the one at ``--url``,
+or with ``auto`` a subprocess the bench starts) from this process, three ways:
 
-Without ``--url`` two services are started: one with the data layout (fp16, 8 layers x 4 KV
-heads x 128, 256-token blocks = 4 MiB) and one with a small layout for the 128K-token lookups
-(keys cost per block, not per byte).
+- ``service``: from and into ordinary numpy arrays -- in arena mode the client copies straight
+  into and out of the shared host arena (one copy per direction, as in-process);
+- ``service_staging``: the same through the staging region (``data = "staging"``'s path: the
+  client's copy into the region, the service's into the arena);
+- ``service_buffer``: from and into ``client.buffer()`` (the engine gathers into the staging
+  region; the service makes the one copy).
+
+Rounds are interleaved, best of ``--rounds``; every store is of a new prompt. Then ``lookup`` of
+a cached 128K-token prompt and of a first-block miss (a 128K-token and a 4K-token prompt),
+in-process and through the service, beside an empty round trip (``ping``: the transport's floor)
+and the service's own time per miss lookup (its per-session counters), so the miss splits into
+transport, service and client; and ``--clients`` client processes storing and loading numpy
+arrays at once (aggregate GB/s) against one.
+
+With ``auto`` two services are started: one with the data layout (fp16, 8 layers x 4 KV heads x
+128, 256-token blocks = 4 MiB) and one with a small layout for the 128K-token lookups (keys cost
+per block, not per byte). A service at ``--url`` is used for both.
 """
 
 from __future__ import annotations
@@ -26,29 +36,34 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kvtier.bench.host import best_time, lookup_times
 from kvtier.layout import KVLayout
 from kvtier.store import TieredStore
 from kvtier.tiers.host import HostTier
 
 _DATA = KVLayout(layers=8, kv_heads=4, head_dim=128, dtype="float16", block_tokens=256)
 _KEYS = KVLayout(layers=1, kv_heads=1, head_dim=8, dtype="float16", block_tokens=256)
-_LONG = 128 * 1024
 _SEEDS = itertools.count((os.getpid() % 4096) << 19)  # fresh prompts; ids < 2**32
 
 
+def add_service_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of the service comparison besides ``--url`` and ``--rounds``."""
+    p.add_argument("--mib", type=int, default=64, help="service: MiB per store/load call")
+    p.add_argument("--clients", type=int, default=4, help="service: client processes at once")
+    p.add_argument("--host-mib", type=int, default=768, help="service: host tier MiB (both)")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default=None, help="bench this running service instead of our own")
-    p.add_argument("--mib", type=int, default=64, help="MiB per store/load call (default 64)")
+    p.add_argument("--url", default="auto", help="the service to bench ('auto': start one)")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--clients", type=int, default=4, help="client processes at once (default 4)")
-    p.add_argument("--host-mib", type=int, default=768, help="host tier MiB (ours and theirs)")
+    add_service_arguments(p)
 
 
 @contextmanager
@@ -87,15 +102,6 @@ def _serve(layout: KVLayout, host_mib: int, staging_mib: int) -> Iterator[str]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _best(fn: Callable[[], object], rounds: int) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def _data(cases: dict[str, tuple[Any, Any, Any]], n: int, rounds: int) -> dict[str, float]:
     """Best store and load seconds of ``n`` tokens for each ``name: (store, src, out)``.
 
@@ -122,30 +128,11 @@ def _data(cases: dict[str, tuple[Any, Any, Any]], n: int, rounds: int) -> dict[s
     return best
 
 
-def _lookups(store: Any, rounds: int) -> dict[str, float]:
-    toks = np.random.default_rng(1).integers(0, 128_000, _LONG, dtype=np.int64)
-    lay: KVLayout = store.layout
-    if store.lookup(toks) != _LONG:
-        store.store(toks, np.zeros(lay.kv_shape(_LONG), lay.storage_dtype))
-    miss = toks.copy()
-    miss[0] += 1
-    short = miss[:4096].copy()
-    reps = 20
-    return {
-        "lookup_128k_ms": 1e3
-        * _best(lambda: [store.lookup(toks) for _ in range(reps)], rounds)
-        / reps,
-        "miss_4k_us": 1e6 * _best(lambda: [store.lookup(short) for _ in range(500)], rounds) / 500,
-        "miss_128k_us": 1e6 * _best(lambda: [store.lookup(miss) for _ in range(50)], rounds) / 50,
-    }
-
-
 def _client_worker(url: str, n: int, rounds: int, start_at: float, q: Any) -> None:
     from kvtier.service.client import connect
 
     with connect(url, timeout=60.0) as c:
-        buf = c.buffer(n)
-        buf[...] = 1
+        buf = np.ones(c.layout.kv_shape(n), c.layout.storage_dtype)
         time.sleep(max(0.0, start_at - time.time()))
         t0 = time.time()
         moved = 0
@@ -175,39 +162,37 @@ def _aggregate(url: str, clients: int, n: int, rounds: int) -> float:
     return float(sum(g[2] for g in got) / (t1 - t0) / 1e9)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def _ratios(res: dict[str, Any], nbytes: int, best: dict[str, float], cases: list[str]) -> None:
+    for name in cases:
+        res[f"{name}_store_gbps"] = nbytes / best[f"{name}_store"] / 1e9
+        res[f"{name}_load_gbps"] = nbytes / best[f"{name}_load"] / 1e9
+    for name in cases[1:]:
+        for kind in ("store", "load"):
+            base = res[f"in_process_{kind}_gbps"]
+            res[f"{name}_{kind}_vs_in_process"] = res[f"{name}_{kind}_gbps"] / base
+
+
+def _transfers(res: dict[str, Any], url: str, args: argparse.Namespace) -> None:
     from kvtier.service.client import connect
 
-    staging = args.mib + 16
-    res: dict[str, Any] = {"mib_per_call": args.mib, "clients": args.clients}
-    with _serve(_DATA, args.host_mib, staging) if args.url is None else _given(args.url) as url:
-        client = connect(url, timeout=60.0)
+    with connect(url, timeout=60.0) as client, connect(url, timeout=60.0, direct=False) as staged:
         lay = client.layout
+        res["data_path"] = client.data_path
         n = max(1, (args.mib << 20) // lay.block_bytes) * lay.block_tokens
-        nbytes = n * lay.bytes_per_token
         kv = np.ones(lay.kv_shape(n), lay.storage_dtype)
         out = np.zeros_like(kv)
         buf = client.buffer(n)
         buf[...] = kv
-        with TieredStore(
-            lay, [HostTier(lay, args.host_mib << 20)], model_id="bench-in-process"
-        ) as local:
-            best = _data(
-                {
-                    "in_process": (local, kv, out),
-                    "service": (client, kv, out),
-                    "service_buffer": (client, buf, buf),
-                },
-                n,
-                args.rounds,
-            )
-        for name in ("in_process", "service", "service_buffer"):
-            res[f"{name}_store_gbps"] = nbytes / best[f"{name}_store"] / 1e9
-            res[f"{name}_load_gbps"] = nbytes / best[f"{name}_load"] / 1e9
-        for kind in ("store", "load"):
-            base = res[f"in_process_{kind}_gbps"]
-            res[f"service_{kind}_vs_in_process"] = res[f"service_{kind}_gbps"] / base
-            res[f"service_buffer_{kind}_vs_in_process"] = res[f"service_buffer_{kind}_gbps"] / base
+        local = TieredStore(lay, [HostTier(lay, args.host_mib << 20)], model_id="bench-local")
+        with local:
+            cases = {
+                "in_process": (local, kv, out),
+                "service": (client, kv, out),
+                "service_staging": (staged, kv, out),
+                "service_buffer": (client, buf, buf),
+            }
+            best = _data(cases, n, args.rounds)
+        _ratios(res, n * lay.bytes_per_token, best, list(cases))
         per = max(2, args.rounds)
         one = many = 0.0
         for _ in range(2):  # alternated, best of each: a busy spell hits both alike
@@ -215,23 +200,48 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             many = max(many, _aggregate(url, args.clients, n, per))
         res["one_client_gbps"] = one
         res[f"{args.clients}_clients_gbps"] = many
-        res["clients_vs_one"] = res[f"{args.clients}_clients_gbps"] / res["one_client_gbps"]
-        client.close()
-    keys_url = _serve(_KEYS, 64, 16) if args.url is None else _given(args.url)
-    with keys_url as url:
-        with TieredStore(_KEYS, [HostTier(_KEYS, 64 << 20)], model_id="bench-in-process") as local:
-            for k, v in _lookups(local, args.rounds).items():
-                res[f"in_process_{k}"] = v
-        with connect(url, timeout=60.0) as client:
-            for k, v in _lookups(client, args.rounds).items():
-                res[f"service_{k}"] = v
-            pings = 500
-            res["service_ping_us"] = (
-                1e6 * _best(lambda: [client.ping() for _ in range(pings)], args.rounds) / pings
-            )
-        res["service_lookup_128k_minus_in_process_ms"] = (
-            res["service_lookup_128k_ms"] - res["in_process_lookup_128k_ms"]
+        res["clients_vs_one"] = many / one
+
+
+def _lookups(res: dict[str, Any], url: str, args: argparse.Namespace) -> None:
+    from kvtier.service.client import connect
+
+    with TieredStore(_KEYS, [HostTier(_KEYS, 64 << 20)], model_id="bench-local") as local:
+        for k, v in lookup_times(local, args.rounds).items():
+            res[f"in_process_{k}"] = v
+    with connect(url, timeout=60.0) as client:
+        for k, v in lookup_times(client, args.rounds).items():
+            res[f"service_{k}"] = v
+        pings = 500
+        res["service_ping_us"] = (
+            1e6 * best_time(lambda: [client.ping() for _ in range(pings)], args.rounds) / pings
         )
+    res["service_lookup_128k_minus_in_process_ms"] = (
+        res["service_lookup_128k_ms"] - res["in_process_lookup_128k_ms"]
+    )
+    # where a first-block miss goes: the transport's floor (an empty round trip), the
+    # service's own time per call (the counters of a session that did nothing else) and the
+    # rest (the client, and the request's token ids on the wire); all in the same run
+    with connect(url, timeout=60.0, name="bench-miss") as probe:
+        toks = np.random.default_rng(2).integers(0, 128_000, 4096, dtype=np.int64)
+        calls = 500
+        miss = 1e6 * best_time(lambda: [probe.lookup(toks) for _ in range(calls)], args.rounds)
+        mine = [
+            s for s in probe.stats()["service"]["sessions"].values() if s["name"] == "bench-miss"
+        ]
+        served = float(mine[0]["ops"]["lookup"]["mean_us"]) if mine else float("nan")
+    res["service_miss_4k_us"] = miss / calls
+    res["service_miss_4k_in_service_us"] = served
+    res["service_miss_4k_rest_us"] = miss / calls - served - res["service_ping_us"]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    auto = args.url in (None, "auto")
+    res: dict[str, Any] = {"mib_per_call": args.mib, "clients": args.clients, "rounds": args.rounds}
+    with _serve(_DATA, args.host_mib, args.mib + 16) if auto else _given(args.url) as url:
+        _transfers(res, url, args)
+    with _serve(_KEYS, 64, 16) if auto else _given(args.url) as url:
+        _lookups(res, url, args)
     return res
 
 

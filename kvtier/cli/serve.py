@@ -26,16 +26,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvtier.service.config import ServiceConfig
     from kvtier.service.scoped import ServiceStore
-    from kvtier.service.server import Service
+    from kvtier.service.server import Service, SocketLock
 
     try:
         raw = tomllib.loads(Path(args.config).read_text())
     except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {args.config}: {exc}") from None
     cfg = ServiceConfig.from_dict(raw, args.url)
-    store = ServiceStore.from_config(args.config)
-    assert isinstance(store, ServiceStore)
-    service = Service(store, cfg)
+    lock = SocketLock.claim(cfg)  # before the store: its shared arena is named per socket
+    try:
+        store = ServiceStore.for_service(args.config, cfg)
+    except BaseException:
+        lock.release()
+        raise
+    service = Service(store, cfg, lock)
     try:
         service.bind()  # a busy or foreign socket fails before anything is served
         for sig in (signal.SIGTERM, signal.SIGINT):

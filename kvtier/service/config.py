@@ -9,6 +9,13 @@ Example::
     lease_ttl = 10.0        # seconds: a silent client's pins and leases are released after it
     timeout = 5.0           # seconds: a client call waits at most this long, then is a miss
     threads = 4             # service threads running loads and stores
+    data = "arena"          # or "staging": how clients move KV bytes (see below)
+
+``data``: ``"arena"`` (the default) names the host tier's arena in shared memory and lets every
+client map it, so a store or load costs one copy per direction, as in-process; any client can
+then read every block in the arena. ``"staging"`` keeps each client to its own staging region
+(the service copies between it and the arena: two copies per direction), for clients that must
+not read each other's KV. The socket's permissions decide who is a client either way.
 
 The rest of the file (``[store]``, ``[[tiers]]``) configures the store the service runs.
 """
@@ -16,6 +23,8 @@ The rest of the file (``[store]``, ``[[tiers]]``) configures the store the servi
 from __future__ import annotations
 
 import grp
+import hashlib
+import os
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,9 +34,11 @@ from typing import Any
 from kvtier.config import check_keys, parse_float, parse_int, parse_size
 from kvtier.errors import ConfigError
 from kvtier.service.protocol import socket_path
+from kvtier.tiers.shm import shm_dir
 
 DEFAULT_URL = "unix:///run/kvtier/kvtier.sock"
-_KEYS = {"url", "group", "staging", "lease_ttl", "timeout", "threads"}
+_KEYS = {"url", "group", "staging", "lease_ttl", "timeout", "threads", "data"}
+DATA_MODES = ("arena", "staging")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,15 +51,31 @@ class ServiceConfig:
     lease_ttl: float = 10.0
     timeout: float = 5.0
     threads: int = 4
+    data: str = "arena"
     token_area: int = 4 << 20  # bytes per session for token ids (1M tokens); longer: a frame
 
     def __post_init__(self) -> None:
         socket_path(self.url)  # validates the URL
+        if self.data not in DATA_MODES:
+            raise ConfigError(
+                f"[service] data must be one of {', '.join(map(repr, DATA_MODES))}, got "
+                f"{self.data!r}"
+            )
         if self.lease_ttl <= self.timeout:
             raise ConfigError(
                 f"[service] lease_ttl ({self.lease_ttl} s) must exceed timeout "
                 f"({self.timeout} s): a client waiting on a call must not lose its leases"
             )
+
+    @property
+    def arena_path(self) -> str | None:
+        """Where the shared host arena is named (``None`` in staging mode): one name per
+        socket, so a service that was killed leaves at most one stale arena, which the next
+        service on that socket replaces."""
+        if self.data != "arena":
+            return None
+        digest = hashlib.sha256(socket_path(self.url).encode()).hexdigest()[:16]
+        return os.path.join(shm_dir(), f"kvtier-arena-{digest}")
 
     @property
     def gid(self) -> int | None:
@@ -74,6 +101,7 @@ class ServiceConfig:
             lease_ttl=parse_float(table.get("lease_ttl", 10.0), "[service] lease_ttl", 0.1),
             timeout=parse_float(table.get("timeout", 5.0), "[service] timeout", 0.01),
             threads=parse_int(table.get("threads", 4), "[service] threads", 1, 256),
+            data=str(table.get("data", "arena")),
         )
         if out.staging < 1 << 16:
             raise ConfigError(f"[service] staging: at least 64KiB, got {out.staging} bytes")

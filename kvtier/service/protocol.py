@@ -6,8 +6,9 @@ reply to an abandoned call is recognised and dropped) and ``sid`` (the session, 
 ``tokens``, when the call has any, is the canonical little-endian uint32 bytes of the token ids
 (``TokenIds.chunk``): a frame of its own when large, the header's ``tokens`` field when small
 (one frame is cheaper than two). A reply is one msgpack map with the same ``id`` and either the
-result fields or ``error``/``message``. KV bytes never travel here: they are in the session's shared
-staging region (``kvtier.service.staging``), named by offset and token count.
+result fields or ``error``/``message``. KV bytes never travel here: they are in the service's shared
+host arena, named by slot (``kvtier.service.direct``), or in the session's staging region
+(``kvtier.service.staging``), named by offset and token count.
 
 ``VERSION`` changes whenever a message changes meaning; ``hello`` refuses another version.
 """

@@ -1,10 +1,13 @@
-"""``ServiceStore``: a ``TieredStore`` whose calls run under the identity of the calling client.
+"""``ServiceStore``: the store a service runs -- calls under the identity of the calling client.
 
 The service serves many engines, each with its own ``Identity`` (model, revision, rank, engine
 layout): a request's namespace is derived from the identity its *session* registered, never from
 anything the request says. ``using(identity)`` sets that identity for the calling thread (a
 context variable), and ``namespace`` -- the one place every store path derives its keys from --
 reads it. Outside ``using`` the store's own identity applies (the ``[store]`` model_id).
+
+``ServiceStore.for_service`` builds it from a config file with, in arena mode, the first host
+tier's arena in named shared memory (``kvtier.service.direct``).
 """
 
 from __future__ import annotations
@@ -13,18 +16,38 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from contextvars import ContextVar
+from pathlib import Path
 from typing import Any
 
+from kvtier.config import StoreConfig
 from kvtier.identity import Identity, Scope
 from kvtier.keys import Namespace
-from kvtier.store import TieredStore
+from kvtier.service.config import ServiceConfig
+from kvtier.service.direct import DirectStore
+from kvtier.tiers.host import HostTier
 
 _CALLER: ContextVar[Identity | None] = ContextVar("kvtier_service_identity", default=None)
 _NAMESPACES = 4096  # bound on the cache (per-request salts are many)
 
 
-class ServiceStore(TieredStore):
+class ServiceStore(DirectStore):
     """A ``TieredStore`` that derives keys from the calling session's identity. Thread-safe."""
+
+    @classmethod
+    def for_service(cls, path: str | Path, service: ServiceConfig) -> ServiceStore:
+        """The store of the config file at ``path``; in arena mode a first ``host`` tier's
+        arena is named shared memory at ``service.arena_path`` (``service.gid``'s group)."""
+        cfg = StoreConfig.load(path)
+        first = None
+        spec = cfg.tiers[0] if cfg.tiers else {}
+        if service.arena_path is not None and spec.get("kind") == "host":
+            rest = {k: v for k, v in spec.items() if k != "kind"}
+            first = HostTier.from_config(
+                cfg.layout, rest, shm_path=service.arena_path, shm_gid=service.gid
+            )
+        store = cls.from_config(cfg, first=first)
+        assert isinstance(store, ServiceStore)
+        return store
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

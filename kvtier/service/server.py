@@ -3,9 +3,12 @@
 One thread owns the socket: it receives every request, answers the cheap ones itself (hello,
 lookup, lease, release, prefetch, stats, heartbeat) and hands loads and stores to a pool of
 threads, whose replies come back to it over an in-process socket (a ZeroMQ socket is used by one
-thread only). KV bytes move between the store and the client's staging region
-(``kvtier.service.staging``), never over the socket. Between polls it expires sessions whose
-client went silent (``kvtier.service.sessions``).
+thread only). KV bytes never cross the socket: in arena mode the client copies them into and
+out of the shared host arena itself (``kvtier.service.direct``: ``reserve``/``commit`` a store,
+``acquire``/``read_done`` a load); otherwise, and for ``buffer()`` arrays and blocks below the
+host tier, they move between the store and the client's staging region
+(``kvtier.service.staging``). Between polls it expires sessions whose client went silent
+(``kvtier.service.sessions``).
 
 Startup refuses to share a socket: ``<socket>.lock`` is held (``flock``) for the service's life,
 so a second service on the same URL fails with ``ConfigError`` naming the first one's pid; a
@@ -32,9 +35,12 @@ from typing import Any
 import numpy as np
 import zmq
 
+from kvtier.decider import checked_reuse_class
 from kvtier.errors import ConfigError, KVTierError, TokenError
 from kvtier.identity import Identity
+from kvtier.keys import Namespace, TokenIds
 from kvtier.service.config import ServiceConfig
+from kvtier.service.direct import Reservation, SlotRead
 from kvtier.service.protocol import VERSION, error_reply, pack, socket_path, unpack
 from kvtier.service.scoped import ServiceStore
 from kvtier.service.sessions import Session
@@ -42,7 +48,9 @@ from kvtier.service.staging import Staging
 
 log = logging.getLogger(__name__)
 _REPLIES = "inproc://kvtier-service-replies"
-_WORKER_OPS = frozenset({"load", "store", "flush"})
+# a direct transfer's bytes are counted where it ends, under the op a client called
+_COUNT_AS = {"commit": "store", "read_done": "load"}
+_WORKER_OPS = frozenset({"load", "store", "flush", "reserve", "commit"})  # may wait for room
 
 
 def _probe(path: str) -> bool:
@@ -58,8 +66,10 @@ def _probe(path: str) -> bool:
         return True
 
 
-class _SocketLock:
-    """``<socket>.lock``, held with ``flock`` while the service runs (holds our pid)."""
+class SocketLock:
+    """``<socket>.lock``, held with ``flock`` while the service runs (holds our pid). Taken
+    before the store is built (``claim``), so a second service fails before it touches the
+    first one's shared arena."""
 
     def __init__(self, path: str) -> None:
         self.path = path + ".lock"
@@ -77,6 +87,16 @@ class _SocketLock:
         os.write(fd, str(os.getpid()).encode())
         self._fd: int | None = fd
 
+    @classmethod
+    def claim(cls, config: ServiceConfig) -> SocketLock:
+        """The lock of ``config.url``'s socket (its directory made if missing);
+        ``ConfigError`` if another service holds it."""
+        path = socket_path(config.url)
+        parent = os.path.dirname(path)
+        if not os.path.isdir(parent):
+            os.makedirs(parent, mode=0o750 if config.gid is not None else 0o700, exist_ok=True)
+        return cls(path)
+
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
@@ -86,15 +106,18 @@ class _SocketLock:
 class Service:
     """Serve ``store`` on ``config.url`` until ``stop()``. Call ``serve()`` on one thread.
 
-    ``bind()`` (also done by ``serve``) claims the socket; its errors are ``ConfigError``."""
+    ``bind()`` (also done by ``serve``) claims the socket; its errors are ``ConfigError``.
+    ``lock``: the socket's lock when the caller claimed it already (``SocketLock.claim``)."""
 
-    def __init__(self, store: ServiceStore, config: ServiceConfig) -> None:
+    def __init__(
+        self, store: ServiceStore, config: ServiceConfig, lock: SocketLock | None = None
+    ) -> None:
         self.store = store
         self.config = config
         self.path = socket_path(config.url)
         self._ctx = zmq.Context()
         self._router: zmq.Socket[bytes] | None = None
-        self._lock: _SocketLock | None = None
+        self._lock: SocketLock | None = lock
         self._sessions: dict[bytes, Session] = {}
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="kvtier-service")
@@ -113,6 +136,11 @@ class Service:
             "ping": lambda s, h, t: {},
             "attach": self._attach,
             "flush": self._flush,
+            "reserve": self._reserve,
+            "commit": self._commit,
+            "abort": self._abort,
+            "acquire": self._acquire,
+            "read_done": self._read_done,
             "bye": self._bye,
         }
         self.ready = threading.Event()
@@ -124,11 +152,9 @@ class Service:
         if self._router is not None:
             return
         path = self.path
-        parent = os.path.dirname(path)
         gid = self.config.gid
-        if not os.path.isdir(parent):
-            os.makedirs(parent, mode=0o750 if gid is not None else 0o700, exist_ok=True)
-        self._lock = _SocketLock(path)
+        if self._lock is None:
+            self._lock = SocketLock.claim(self.config)
         try:
             if os.path.lexists(path):
                 if not stat.S_ISSOCK(os.lstat(path).st_mode):
@@ -272,7 +298,7 @@ class Service:
             log.exception("service: %s failed", req.get("op"))
             return error_reply(req_id, exc)
         session.count(
-            str(req.get("op")),
+            _COUNT_AS.get(str(req.get("op")), str(req.get("op"))),
             time.perf_counter() - t0,
             int(out.pop("_tokens", 0)),
             int(out.pop("_bytes", 0)),
@@ -353,8 +379,11 @@ class Service:
             number=next(self._numbers),
         )
         lay = self.store.layout
+        arena = self.store.arena if self.config.data == "arena" else None
         return {
             "id": req_id,
+            "arena": None if arena is None else arena.shm.path,
+            "arena_bytes": 0 if arena is None else arena.shm.nbytes,
             "sid": sid,
             "layout": {
                 "layers": lay.layers,
@@ -434,6 +463,70 @@ class Service:
             held = self.store.lease(self._tokens(tokens), **self._scope(req))
             out["lid"] = s.add_lease(held)
         return out
+
+    # -- direct transfers (arena mode): the client copies, the store decides ----------------
+    def _namespace(self, req: dict[str, Any]) -> Namespace:
+        return self.store.namespace(req.get("tenant"), req.get("adapter"), req.get("salt"))
+
+    def _slice(self, s: Session, res: Reservation, tid: int | None) -> dict[str, Any]:
+        """The reply naming a reservation's current slice, or the store's outcome when done."""
+        if res.done:
+            n = res.written * self.store.layout.block_tokens
+            return {"written": n, "_tokens": n, "_bytes": n * self.store.layout.bytes_per_token}
+        if tid is None:
+            tid = s.add_transfer(res)
+        else:
+            s.put_back(tid, res)
+        return {"tid": tid, "blocks": res.pending, "slots": res.slots}
+
+    def _reserve(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
+        reuse = req.get("reuse_class")
+        res = self.store.reserve_store(
+            TokenIds(self._tokens(tokens)),
+            req.get("start", 0),
+            int(req["n"]) // self.store.layout.block_tokens,
+            self._namespace(req),
+            checked_reuse_class(tuple(reuse) if isinstance(reuse, list) else reuse),
+        )
+        return self._slice(s, res, None)
+
+    def _commit(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
+        tid = int(req["tid"])
+        res = s.take_transfer(tid)
+        if not isinstance(res, Reservation):
+            raise LookupError(f"no store {tid} in progress in this session")  # a fault: a miss
+        try:
+            self.store.commit_store(res, np.frombuffer(req["sums"], "<u8").tolist())
+        except BaseException:
+            self.store.abort_store(res)
+            raise
+        return self._slice(s, res, tid)
+
+    def _abort(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
+        res = s.take_transfer(int(req["tid"]))
+        if res is not None:
+            res.release()
+        return {}
+
+    def _acquire(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
+        toks = TokenIds(self._tokens(tokens))
+        start = req.get("start", 0)
+        read, more = self.store.begin_read(toks, start, self._namespace(req))
+        if not read.slots:  # nothing in the host tier: a miss, unless a lower tier follows
+            bt = self.store.layout.block_tokens
+            self.store.end_read(read, 0, 0 if more else len(toks) // bt - start // bt)
+            return {"slots": [], "more": more}
+        sums = np.asarray(read.sums, "<u8").tobytes()
+        return {"tid": s.add_transfer(read), "slots": read.slots, "sums": sums, "more": more}
+
+    def _read_done(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
+        read = s.take_transfer(int(req["tid"]))
+        if not isinstance(read, SlotRead):
+            return {}
+        self.store.end_read(read, int(req["ok"]), int(req["asked"]))
+        bt = self.store.layout.block_tokens
+        got = int(req["ok"]) * bt
+        return {"_tokens": got, "_bytes": got * self.store.layout.bytes_per_token}
 
     def _lease(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
         lease = self.store.lease(self._tokens(tokens), **self._scope(req))

@@ -1,9 +1,12 @@
-"""``Session``: one connected client -- its identity, staging region, leases and counters.
+"""``Session``: one connected client -- its identity, staging region, leases, transfers, counters.
 
-Every pin and transfer a client starts belongs to its session. A session is alive while the
-client talks (any message, the client's heartbeat included, renews it); one silent for the lease
-TTL with nothing in flight is *expired*: its leases are released and its staging region unmapped,
-so a client killed with ``kill -9`` holds nothing for longer than the TTL.
+Every pin and transfer a client starts belongs to its session: its leases (``Lease``), and the
+direct transfers it is copying (``kvtier.service.direct``: a store's reserved slots, a load's
+pinned slots). A session is alive while the client talks (any message, the client's heartbeat
+included, renews it); one silent for the lease TTL with nothing in flight is *expired*: its
+leases are released, its reservations aborted (never visible), its read slots unpinned and its
+staging region unmapped, so a client killed with ``kill -9`` holds nothing for longer than the
+TTL.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 
 from kvtier.identity import Identity
 from kvtier.lease import Lease
+from kvtier.service.direct import Reservation, SlotRead
 from kvtier.service.staging import Staging
 
 
@@ -30,8 +34,8 @@ class OpStats:
 
 @dataclass(slots=True)
 class Session:
-    """A client's state on the service. ``lock`` guards ``leases``, ``inflight`` and ``ops``
-    (workers and the socket thread both touch them)."""
+    """A client's state on the service. ``lock`` guards ``leases``, ``transfers``,
+    ``inflight`` and ``ops`` (workers and the socket thread both touch them)."""
 
     sid: bytes
     identity: Identity
@@ -44,7 +48,8 @@ class Session:
     last_seen: float = field(default_factory=time.monotonic)
     inflight: int = 0
     leases: dict[int, Lease] = field(default_factory=dict)
-    next_lease: int = 1
+    transfers: dict[int, Reservation | SlotRead] = field(default_factory=dict)
+    next_lease: int = 1  # ids of leases and transfers (one sequence)
     ops: dict[str, OpStats] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -63,6 +68,23 @@ class Session:
             self.leases[lid] = lease
         return lid
 
+    def add_transfer(self, transfer: Reservation | SlotRead) -> int:
+        with self.lock:
+            tid = self.next_lease
+            self.next_lease += 1
+            self.transfers[tid] = transfer
+        return tid
+
+    def take_transfer(self, tid: int) -> Reservation | SlotRead | None:
+        """The transfer ``tid``, no longer the session's (its owner ends it); ``None`` if none."""
+        with self.lock:
+            return self.transfers.pop(tid, None)
+
+    def put_back(self, tid: int, transfer: Reservation | SlotRead) -> None:
+        """Give a transfer taken by ``take_transfer`` back (it goes on)."""
+        with self.lock:
+            self.transfers[tid] = transfer
+
     def release(self, lid: int) -> bool:
         """Release one lease (idempotent); ``False`` if the session holds none by that id."""
         with self.lock:
@@ -77,9 +99,12 @@ class Session:
             return self.inflight == 0 and now - self.last_seen > ttl
 
     def close(self) -> None:
-        """Release every lease and unmap the staging region (idempotent)."""
+        """Release every lease and transfer, unmap the staging region (idempotent)."""
         with self.lock:
             leases, self.leases = list(self.leases.values()), {}
+            transfers, self.transfers = list(self.transfers.values()), {}
+        for transfer in transfers:
+            transfer.release()
         for lease in leases:
             lease.release()
         self.staging.unlink()
@@ -97,6 +122,7 @@ class Session:
                 for op, s in self.ops.items()
             }
             leases = len(self.leases)
+            transfers = len(self.transfers)
         return {
             "session": self.number,
             "pid": self.pid,
@@ -104,6 +130,7 @@ class Session:
             "tenant": self.tenant,
             "identity": self.identity.describe(),
             "leases": leases,
+            "transfers": transfers,
             "idle_s": round(time.monotonic() - self.last_seen, 3),
             "ops": ops,
         }

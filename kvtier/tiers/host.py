@@ -1,12 +1,18 @@
-"""Host DRAM tier (G2): one preallocated arena of fixed-size slots.
+"""Host DRAM tier (G2): one preallocated arena of fixed-size slots in shared memory.
 
-The arena is allocated (and its pages touched) once at construction, so the hot path does no
-allocation: a put is one fused copy+checksum into a free slot, a get one fused copy+verify out of
-it. When torch with CUDA is importable and ``pin_memory`` allows it, the arena is page-locked
-(pinned) so device transfers can be asynchronous DMA.
+The arena is a ``SharedMemory`` (``kvtier.tiers.shm``) allocated, every page of it, once at
+construction, so the hot path does no allocation: a put is one fused copy+checksum into a free
+slot, a get one fused copy+verify out of it. In-process the arena is anonymous; built with
+``shm_path`` it is a named file other processes map (the node service's clients), and those
+processes copy blocks in and out of slots themselves through the external-copy API
+(``reserve``/``publish``/``abort`` for writes, ``acquire``/``release`` for reads), with the
+same fused copy + checksum (``codec.copy_in``/``codec.copy_out``). When torch with CUDA is
+importable and ``pin_memory`` allows it, the arena is page-locked (``cudaHostRegister``) so
+device transfers can be asynchronous DMA.
 
-Checksums are kept beside the arena (one uint64 per slot); a get whose bytes no longer hash to
-the recorded checksum (a bit flip in DRAM, a stray write) is a miss and the slot is dropped.
+Checksums are kept beside the arena, in this process's private memory (one uint64 per slot); a
+get whose bytes no longer hash to the recorded checksum (a bit flip in DRAM, a stray write by a
+process that maps the arena) is a miss and the slot is dropped.
 """
 
 from __future__ import annotations
@@ -25,55 +31,100 @@ from kvtier.keys import BlockKey
 from kvtier.layout import KVLayout
 from kvtier.tiers.arena import ArenaTier
 from kvtier.tiers.base import Array
+from kvtier.tiers.shm import SharedMemory
 
 log = logging.getLogger(__name__)
 
 PinMode = Literal["auto", "always", "never"]
 
 
-def _allocate(nbytes: int, pin_memory: PinMode) -> Array:
-    """A page-touched uint8 arena, pinned when asked (or when 'auto' and CUDA is in use)."""
-    want_pin = pin_memory == "always" or (pin_memory == "auto" and "torch" in sys.modules)
-    if want_pin:
+class _Pin:
+    """``cudaHostRegister`` of a mapping (page-locked for DMA) until ``close``."""
+
+    def __init__(self, arena: Array, pin_memory: PinMode) -> None:
+        self._cudart: Any = None
+        self._ptr = 0
+        want = pin_memory == "always" or (pin_memory == "auto" and "torch" in sys.modules)
+        if not want:
+            return
         try:
             import torch
-
-            if torch.cuda.is_available():
-                t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-                arena: Array = t.numpy()
-                arena.fill(0)
-                return arena
-            if pin_memory == "always":
-                raise ConfigError("host tier pin_memory='always' needs torch with CUDA")
         except ImportError:
             if pin_memory == "always":
                 raise ConfigError("host tier pin_memory='always' needs torch installed") from None
-    arena = np.empty(nbytes, dtype=np.uint8)
-    arena.fill(0)  # touch every page now, not on the first store
-    return arena
+            return
+        if not torch.cuda.is_available():
+            if pin_memory == "always":
+                raise ConfigError("host tier pin_memory='always' needs torch with CUDA")
+            return
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        ptr = int(arena.ctypes.data)
+        err = cudart.cudaHostRegister(ptr, int(arena.nbytes), 0)
+        if int(getattr(err, "value", err)) != 0:
+            if pin_memory == "always":
+                raise ConfigError(f"host tier pin_memory='always': cudaHostRegister failed ({err})")
+            log.warning("host tier: cannot page-lock the arena (%s); device copies will stage", err)
+            return
+        self._cudart, self._ptr = cudart, ptr
+
+    @property
+    def pinned(self) -> bool:
+        return self._cudart is not None
+
+    def close(self) -> None:
+        if self._cudart is not None:
+            self._cudart.cudaHostUnregister(self._ptr)
+            self._cudart = None
 
 
 class HostTier(ArenaTier):
-    """A DRAM arena of ``capacity_bytes // block_bytes`` slots."""
+    """A DRAM arena of ``capacity_bytes // block_bytes`` slots.
+
+    ``shm_path`` names the arena's shared memory (mode 0600, 0660 with ``shm_gid``) so other
+    processes of that user or group can ``SharedMemory.attach`` it; a stale file of that name
+    is replaced, and ``close`` removes it. Without it the arena is anonymous."""
 
     name = "host"
     layer_reads = True
 
-    def __init__(self, layout: KVLayout, capacity_bytes: int, pin_memory: PinMode = "auto") -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        capacity_bytes: int,
+        pin_memory: PinMode = "auto",
+        *,
+        shm_path: str | None = None,
+        shm_gid: int | None = None,
+    ) -> None:
         super().__init__(layout, capacity_bytes)
         n = self._table.capacity
-        self._arena = _allocate(n * layout.block_bytes, pin_memory)
+        self.shm = SharedMemory.create(n * layout.block_bytes, shm_path, gid=shm_gid, replace=True)
+        self._arena = self.shm.array
+        try:
+            self._pin = _Pin(self._arena, pin_memory)
+        except BaseException:
+            self.shm.unlink()
+            self.shm.close()
+            raise
         self._checksums = np.zeros(n, dtype=np.uint64)
 
     @classmethod
-    def from_config(cls, layout: KVLayout, spec: Mapping[str, Any]) -> HostTier:
-        """``{"capacity": "8GiB", "pin_memory": "auto"|"always"|"never"}``."""
+    def from_config(
+        cls,
+        layout: KVLayout,
+        spec: Mapping[str, Any],
+        *,
+        shm_path: str | None = None,
+        shm_gid: int | None = None,
+    ) -> HostTier:
+        """``{"capacity": "8GiB", "pin_memory": "auto"|"always"|"never"}`` (``shm_*``: as
+        the constructor's; set by the node service, not by a config file)."""
         check_keys("tiers.host", spec, {"capacity", "pin_memory"})
         pin = str(spec.get("pin_memory", "auto"))
         if pin not in ("auto", "always", "never"):
             raise ConfigError(f"tiers.host pin_memory must be auto/always/never, got {pin!r}")
         cap = parse_size(spec.get("capacity", "1GiB"), "tiers.host capacity")
-        return cls(layout, cap, pin)  # type: ignore[arg-type]
+        return cls(layout, cap, pin, shm_path=shm_path, shm_gid=shm_gid)  # type: ignore[arg-type]
 
     def _host_bytes(self, n: int) -> int:
         """The arena and its checksums, beside the slot table."""
@@ -111,3 +162,51 @@ class HostTier(ArenaTier):
             finally:
                 self._table.release(slot)
         return result
+
+    # -- external copies: another process maps the arena and moves the bytes itself --------
+    def reserve(self, keys: Sequence[BlockKey]) -> list[int | None]:
+        """A slot per key for a writer outside this object, invisible to readers until
+        ``publish`` (or returned by ``abort``); ``None`` where there is none (the tier is full,
+        or the key is present or being written: not the caller's to abort)."""
+        out: list[int | None] = []
+        for key in keys:
+            slot = self._table.reserve(key)
+            out.append(None if slot is None or slot < 0 else slot)
+        return out
+
+    def publish(
+        self, keys: Sequence[BlockKey], slots: Sequence[int], checksums: Sequence[int]
+    ) -> None:
+        """Make reserved slots readable; ``checksums`` are what their writer's
+        ``codec.copy_in`` returned (every later read is verified against them)."""
+        for key, slot, csum in zip(keys, slots, checksums, strict=True):
+            self._checksums[slot] = csum
+            self._table.publish(key, slot)
+
+    def abort(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
+        """Return reserved slots unpublished: whatever was written there is never read."""
+        for key, slot in zip(keys, slots, strict=True):
+            self._table.abort(key, slot)
+
+    def acquire(self, keys: Sequence[BlockKey]) -> list[tuple[int, int]]:
+        """``(slot, checksum)`` of the leading ``keys`` present, each pinned (its slot is not
+        freed or reused, even if the key is deleted) until ``release``; stops at the first
+        key absent."""
+        out: list[tuple[int, int]] = []
+        for key in keys:
+            slot = self._table.acquire(key)
+            if slot is None:
+                break
+            out.append((slot, int(self._checksums[slot])))
+        return out
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Unpin slots ``acquire`` returned (each once)."""
+        for slot in slots:
+            self._table.release(slot)
+
+    def close(self) -> None:
+        """Unpin and unmap the arena and remove its name (idempotent)."""
+        self._pin.close()
+        self.shm.unlink()
+        self.shm.close()
