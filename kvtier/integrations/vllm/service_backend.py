@@ -46,9 +46,17 @@ def layout_hint(layout: KVLayout) -> str:
 
 
 def connect_rank(
-    url: str, identity: Identity, layout: KVLayout, *, timeout: float, name: str, tenant: str = ""
+    url: str,
+    identity: Identity,
+    layout: KVLayout,
+    *,
+    timeout: float,
+    name: str,
+    tenant: str = "",
+    direct: bool = True,
 ) -> Any:
-    """A ``ServiceClient`` registered as ``identity`` that expects ``layout``.
+    """A ``ServiceClient`` registered as ``identity`` that expects ``layout`` (``direct``:
+    whether it maps the service's host arena, which only a client moving KV needs).
 
     A service that is down is not an error (the client serves misses until it answers); one
     that stores another layout is a ``ConfigError`` that names the ``[store]`` keys to set."""
@@ -56,7 +64,13 @@ def connect_rank(
 
     try:
         return connect(
-            url, identity, layout=layout, timeout=timeout, name=name, tenant=tenant or None
+            url,
+            identity,
+            layout=layout,
+            timeout=timeout,
+            name=name,
+            tenant=tenant or None,
+            direct=direct,
         )
     except LayoutError as exc:
         raise ConfigError(

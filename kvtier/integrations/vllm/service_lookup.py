@@ -71,6 +71,7 @@ class ServiceLookup:
                     timeout=self._timeout,
                     name=f"{self._name}-pp{key[0]}-tp{key[1]}",
                     tenant=self._tenant,
+                    direct=False,  # lookups and leases only: no need to map the arena
                 )
             )
 
