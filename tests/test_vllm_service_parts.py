@@ -54,10 +54,11 @@ def _rank(tp: int) -> Identity:
     return Identity("tiny", tp_rank=tp, tp_size=2, engine_tag="test-pages", model_fingerprint="f")
 
 
-def _worker(url: str, tp: int, caches: list[torch.Tensor]) -> WorkerSide:
+def _worker(url: str, tp: int, caches: list[torch.Tensor], direct: bool = True) -> WorkerSide:
     backend, mover = open_service(
-        url, _rank(tp), LAYOUT, caches, page_layout(caches, BS), timeout=1.0, name=f"w{tp}"
-    )
+        url, _rank(tp), LAYOUT, caches, page_layout(caches, BS), timeout=1.0, name=f"w{tp}",
+        direct=direct,
+    )  # fmt: skip
     return WorkerSide(backend, mover)
 
 
@@ -119,13 +120,16 @@ def test_two_ranks_share_nothing_and_the_scheduler_takes_the_minimum(
 ) -> None:
     toks = np.random.default_rng(0).integers(0, 30000, 2 * BT + 3).astype(np.int32)
     src = [_caches(1), _caches(2)]  # rank 0's and rank 1's pages (other heads)
-    w = [_worker(service.url, tp, src[tp]) for tp in (0, 1)]
+    # rank 0 copies to the shared arena itself; rank 1 moves KV through its staging region
+    w = [_worker(service.url, tp, src[tp], direct=tp == 0) for tp in (0, 1)]
     sched = ServiceLookup(service.url, 2.0, name="sched")
     try:
-        # the mover gathers straight into the client's shared region: no staging copy
-        buf = w[0].mover.buffer(4)
-        region = w[0].backend.client.buffer(4 * BS)  # type: ignore[attr-defined]
-        assert buf.data_ptr() == region.__array_interface__["data"][0]
+        clients = [x.backend.client for x in w]  # type: ignore[attr-defined]
+        assert [c.data_path for c in clients] == ["arena", "staging"]
+        region = clients[1].buffer(4 * BS)  # staging: gathered straight into the region
+        assert w[1].mover.buffer(4).data_ptr() == region.__array_interface__["data"][0]
+        region = clients[0].buffer(4 * BS)  # arena: a private buffer, the client copies
+        assert w[0].mover.buffer(4).data_ptr() != region.__array_interface__["data"][0]
         sched.attach({(0, tp): RankHandshake(_rank(tp), LAYOUT) for tp in (0, 1)})
         assert sched.ranks == 2
         w[0].save(KvtierMetadata(saves=[_op(toks, 2 * BT, [3, 5, 7, 9])]))
@@ -140,7 +144,7 @@ def test_two_ranks_share_nothing_and_the_scheduler_takes_the_minimum(
         # each rank loads its own bytes back into other pages
         dst = [_caches(3), _caches(4)]
         for tp in (0, 1):
-            worker = _worker(service.url, tp, dst[tp])
+            worker = _worker(service.url, tp, dst[tp], direct=tp == 1)  # the other path
             try:
                 worker.load(KvtierMetadata(loads=[_op(toks, 2 * BT, [10, 11, 12, 13])]))
                 assert worker.take_load_errors() == set()

@@ -5,12 +5,15 @@ with its own ``Identity`` (derived as in-process from vLLM's config and the rank
 kvtier layout of its pages, instead of opening a store of its own. The service derives every
 key from that identity, so ranks, models and page formats never meet, as in-process.
 
-Data path: ``StagingPageMover`` gathers a save's pages straight into the client's shared
-staging region (``ServiceClient.buffer``) and a load lands there before it is scattered into
-vLLM's pages, so a transfer costs what it costs in-process (one gather or scatter here, the
-service's copy + checksum into or out of its host tier there), and no extra copy through the
-socket. A transfer larger than the region, or one made while the service is unreachable, uses a
-private buffer (the client then copies through the region in chunks, or serves a miss).
+Data path: one copy each way between the pages' gather/scatter buffer and the service's host
+tier, as in-process. With the service's arena data path (``data = "arena"``, its default) the
+buffer is the rank's own and the client copies straight between it and the shared arena, on
+this process's threads; with the staging path (``data = "staging"``, or a client that does not
+map the arena) ``StagingPageMover`` gathers a save's pages straight into the client's shared
+staging region (``ServiceClient.buffer``) and a load lands there, so the service makes the one
+copy and nothing is copied twice. A transfer larger than the region, or one made while the
+service is unreachable, uses a private buffer (the client then copies through the region in
+chunks, or serves a miss).
 
 Failure: the client's calls are bounded by ``[service] timeout``; a service that is down,
 restarting or stalled makes loads misses (vLLM recomputes) and saves no-ops, never a failed
@@ -119,8 +122,9 @@ class ServiceBackend:
 
 
 class StagingPageMover(PageMover):
-    """A ``PageMover`` whose staging buffers are views of the client's shared region, so the
-    service reads a gathered save, and fills a load, in place. Not thread-safe (the model
+    """A ``PageMover`` whose buffers are views of the client's shared staging region when the
+    session moves KV through it (so the service reads a gathered save, and fills a load, in
+    place), and private when the client copies to the arena itself. Not thread-safe (the model
     runner's thread only), like ``PageMover``; a buffer is valid until the next transfer."""
 
     def __init__(self, kv_caches: list[torch.Tensor], layout: PageLayout, client: Any) -> None:
@@ -128,9 +132,12 @@ class StagingPageMover(PageMover):
         self._client = client
 
     def buffer(self, n_pages: int) -> torch.Tensor:
-        """``n_pages`` pages of every layer in the shared region (a private buffer when the
-        service is unreachable or the region is too small for them)."""
+        """``n_pages`` pages of every layer: in the shared region on the staging data path
+        (a private buffer on the arena path, when the service is unreachable, or when the
+        region is too small for them)."""
         lay = self.layout
+        if self._client.data_path == "arena":  # the client copies straight to the arena
+            return super().buffer(n_pages)
         try:
             arr = self._client.buffer(n_pages * lay.page_tokens)
         except ConfigError:
@@ -151,7 +158,11 @@ def open_service(
     timeout: float,
     name: str,
     tenant: str = "",
+    direct: bool = True,
 ) -> tuple[ServiceBackend, StagingPageMover]:
-    """One rank's backend over the service at ``url`` and its page mover (see the module)."""
-    client = connect_rank(url, identity, layout, timeout=timeout, name=name, tenant=tenant)
+    """One rank's backend over the service at ``url`` and its page mover (see the module;
+    ``direct=False``: never map the service's arena, every transfer through staging)."""
+    client = connect_rank(
+        url, identity, layout, timeout=timeout, name=name, tenant=tenant, direct=direct
+    )
     return ServiceBackend(client), StagingPageMover(kv_caches, pages, client)
