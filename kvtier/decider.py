@@ -172,12 +172,17 @@ class Decider:
         self.counters.evictions += len(victims)
         self.evicting[tier] += len(victims)
         lower = self.next_local(tier)
-        below = ~((2 << tier) - 1)  # bits of every tier after this one
+        # a victim already held by a later local tier is dropped here (inclusive hierarchy); a
+        # copy in a shared tier does not count: the pool evicts on its own and is slower than
+        # any local tier, so the victim still goes down the local chain
+        below = sum(1 << i for i in self.local if i > tier)
+        entries, bit = idx.entries, 1 << tier
+        move_keys: list[BlockKey] = []
+        drop_keys: list[BlockKey] = []
         for k in victims:  # its copy there is going away: a failed read of it is no loss
-            idx.entries[k].leaving |= 1 << tier
-        move_keys = [k for k in victims if lower is not None and not idx.entries[k].tiers & below]
-        moving = set(move_keys)
-        drop_keys = [k for k in victims if k not in moving]
+            e = entries[k]
+            e.leaving |= bit
+            (drop_keys if lower is None or e.tiers & below else move_keys).append(k)
         if move_keys and lower is not None:
             fit, room = idx.plan_room_up_to(lower, len(move_keys))
             drop_keys += move_keys[fit:]  # what the lower tier cannot take falls off
@@ -185,8 +190,7 @@ class Decider:
             if room:
                 self.plan_eviction(lower, room, moves)
         if move_keys and lower is not None:
-            for k in move_keys:
-                idx.begin_write(k, lower)
+            idx.begin_writes(move_keys, lower)
             moves.append(Move(tier, lower, move_keys, [""] * len(move_keys), delete_src=True))
         if drop_keys:
             moves.append(Move(tier, None, drop_keys, [""] * len(drop_keys), delete_src=True))
@@ -195,11 +199,15 @@ class Decider:
     def readable_prefix(self, keys: Iterator[BlockKey], limit: int) -> list[Read]:
         """Leading blocks readable from a local-index tier (under lock)."""
         reads = []
+        get = self.index.entries.get
         for key in islice(keys, limit):
-            e = self.index.readable(key)
+            e = get(key)
             if e is None:
                 break
-            reads.append(Read(key, e.read_tier(), True))
+            t = e.read_tier()  # inline BlockIndex.readable: this loop is the lookup's
+            if t < 0:
+                break
+            reads.append(Read(key, t, True))
         return reads
 
     def plan_write_through(self, keys: list[BlockKey], owner: str) -> list[Move]:

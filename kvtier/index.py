@@ -65,6 +65,12 @@ class BlockIndex:
             for t, c in enumerate(capacities)
         ]
         self.resident = [0] * len(capacities)  # complete + pending-in, per tier
+        #: tiers below the first whose policy wants to hear of the lookups that missed it
+        self._told_misses = [
+            t
+            for t, p in enumerate(self.policies)
+            if t and p is not None and type(p).missed is not EvictionPolicy.missed
+        ]
 
     # -- queries ---------------------------------------------------------------------------
     def readable(self, key: BlockKey) -> Entry | None:
@@ -88,6 +94,16 @@ class BlockIndex:
         self.resident[tier] += 1
         return e
 
+    def begin_writes(self, keys: Sequence[BlockKey], tier: int) -> None:
+        """``begin_write`` of each of ``keys`` into ``tier``, in one loop."""
+        entries, bit = self.entries, 1 << tier
+        for key in keys:
+            e = entries.get(key)
+            if e is None:
+                e = entries[key] = Entry()
+            e.pending |= bit
+        self.resident[tier] += len(keys)
+
     def end_write(
         self,
         keys: Sequence[BlockKey],
@@ -98,14 +114,20 @@ class BlockIndex:
         """Commit (``ok``) or roll back the writes of ``keys`` into ``tier``; prefix order.
         ``reuse_class`` labels the committed keys for the tier's policy (a store's new blocks).
 
+        A commit into the first tier is also told to each lower tier's policy
+        (``EvictionPolicy.missed``) for the keys that tier does not hold: lookups that reached
+        it and missed.
+
         Exception-safe: if the policy raises while taking the committed keys, every write of
         the call is rolled back (none stays in the index, so none is left that the policy cannot
         evict) and the exception propagates; the caller must delete them from the tier."""
         bit = 1 << tier
         policy = self.policies[tier]
+        entries = self.entries
         committed = []
+        undone = 0
         for key, good in zip(keys, ok, strict=True):
-            e = self.entries.get(key)
+            e = entries.get(key)
             if e is None or not e.pending & bit:
                 continue
             e.pending &= ~bit
@@ -113,14 +135,22 @@ class BlockIndex:
                 e.tiers |= bit
                 committed.append(key)
             else:
-                self.resident[tier] -= 1
-                self._forget_if_empty(key, e)
+                undone += 1
+                if not e.tiers and not e.pending and e.pins <= 0:
+                    del entries[key]
+        self.resident[tier] -= undone
         if policy is not None and committed:
             try:
                 policy.insert(committed, reuse_class)
             except BaseException:
                 self._uncommit(committed, tier)
                 raise
+        if not tier and committed and self._told_misses:
+            for t in self._told_misses:
+                b = 1 << t
+                missed = [k for k in committed if not (entries[k].tiers | entries[k].pending) & b]
+                if missed:
+                    self.policies[t].missed(missed)  # type: ignore[union-attr]
 
     def _uncommit(self, keys: Sequence[BlockKey], tier: int) -> None:
         """Take back the commit of ``keys`` into ``tier`` (its policy raised while taking them):
@@ -199,15 +229,18 @@ class BlockIndex:
             policy.refresh(keys)
 
     def pin(self, keys: Sequence[BlockKey]) -> None:
+        entries = self.entries
         for key in keys:
-            self.entries[key].pins += 1
+            entries[key].pins += 1
 
     def unpin(self, keys: Sequence[BlockKey]) -> None:
+        entries = self.entries
         for key in keys:
-            e = self.entries.get(key)
+            e = entries.get(key)
             if e is not None:
                 e.pins -= 1
-                self._forget_if_empty(key, e)
+                if e.pins <= 0 and not e.tiers and not e.pending:
+                    del entries[key]
 
     def plan_room(self, tier: int, n: int) -> list[BlockKey] | None:
         """Victims to evict from ``tier`` so ``n`` more blocks fit; None if impossible.
@@ -225,7 +258,7 @@ class BlockIndex:
 
         def evictable(key: BlockKey) -> bool:
             e = entries[key]
-            return e.pins == 0 and e.pending == 0
+            return not (e.pins or e.pending)
 
         return policy.evict(need, evictable)
 

@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import random
 from collections.abc import Hashable
+from pathlib import Path
+from typing import cast
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.errors import ConfigError
+from kvtier.index import BlockIndex
+from kvtier.keys import BlockKey
 from kvtier.policy import DEFAULT_POLICY, POLICIES, EvictionPolicy, make_policy
 from kvtier.policy.base import always
 from kvtier.policy.duel import Auto
 from kvtier.policy.s3fifo import S3FIFO
+from kvtier.sim.basket import distinct_full_blocks
 from kvtier.sim.replay import TierSpec, replay
+from kvtier.sim.trace import read_trace
 from kvtier.sim.workload import generate
 
 
@@ -224,3 +230,44 @@ def test_auto_follows_the_ranking_the_traffic_favours(
 def test_a_removed_policy_says_what_to_use(name: str) -> None:
     with pytest.raises(ConfigError, match=r"was removed.*'auto'"):
         make_policy(name, 8)
+
+
+def test_a_lower_tier_is_told_the_lookups_that_missed_it() -> None:
+    """A block written into the first tier that the tier below does not hold is a lookup that
+    reached the lower tier and missed: its ``auto`` admits it into both shadows, and a second
+    miss on it (after it left every tier) is a hit for them -- the lower tier is judged on the
+    lookups that reach it, not only on the first tier's victims."""
+    idx = BlockIndex("auto", [4, 8])
+    lower = idx.policies[1]
+    assert isinstance(lower, Auto)
+    keys = cast(list[BlockKey], [1, 2, 3])
+    for k in keys:
+        idx.begin_write(k, 0)
+    idx.end_write(keys, 0, [True] * 3)
+    assert lower.describe()["lru_shadow_hits"] == 0
+    idx.drop_all(keys, 0)  # gone from every tier, never demoted
+    for k in keys:
+        idx.begin_write(k, 0)
+    idx.end_write(keys, 0, [True] * 3)
+    d = lower.describe()
+    assert d["lru_shadow_hits"] == d["s3fifo_shadow_hits"] == 3
+    first = idx.policies[0]
+    assert isinstance(first, Auto) and first.describe()["lru_shadow_hits"] == 3  # re-stored
+
+
+MOONCAKE = Path("/work/shared/data/traces/mooncake_synthetic.jsonl")
+
+
+@pytest.mark.skipif(not MOONCAKE.exists(), reason="the shared Mooncake trace is not here")
+def test_auto_on_host_and_nvme_holds_where_lru_wins_below() -> None:
+    """Host + NVMe on the Mooncake trace at 1% of its blocks: LRU on both tiers beats
+    S3-FIFO's, and the NVMe tier's ``auto`` finds it (judged on the lookups reaching it; on the
+    first tier's victims it chose S3-FIFO and lost 8%)."""
+    trace = read_trace(MOONCAKE)
+    n = distinct_full_blocks(trace)
+    caps = (round(0.0025 * n), round(0.01 * n))
+    hit = {
+        pol: replay(trace, [TierSpec(f"t{i}", c, pol) for i, c in enumerate(caps)]).token_hit_ratio
+        for pol in ("lru", "s3fifo", "auto")
+    }
+    assert hit["auto"] >= 0.99 * max(hit["lru"], hit["s3fifo"]), hit

@@ -1,5 +1,6 @@
-"""kvtier in vLLM beyond one process: tensor parallelism (one store per rank) and two engines
-sharing a real redis-server. Slow on 2 cores (TP=2 on CPU; three or four engine starts)."""
+"""kvtier in vLLM beyond one process: tensor parallelism (one store per rank), two engines
+sharing a real redis-server or a real Mooncake Store, and a Redis server that dies mid-run.
+Slow on 2 cores (TP=2 on CPU; two or three engine starts per test)."""
 
 from __future__ import annotations
 
@@ -91,6 +92,86 @@ def test_two_engines_share_a_prefix_over_redis(model: Path, redis_url: str) -> N
         for e in (a, b):
             if e is not None:
                 _close(e)
+
+
+def test_two_engines_share_a_prefix_over_mooncake(model: Path, mooncake_cluster: Any) -> None:
+    """Engine A's blocks go through to a real mooncake_master's pool; engine B (other
+    processes, empty host tier) is served A's prefix from it: tokens equal A's own run (vLLM's
+    prefix cache)."""
+    import uuid
+
+    doc = _tokens(8, DOC)
+    p1, p2 = doc + _tokens(9, 30), doc + _tokens(10, 40)
+    kw: dict[str, Any] = {"kv_bytes": 16 << 20, "max_model_len": 4096}
+    cfg = {
+        "store": {"block_tokens": 256, "model_id": "tiny-mooncake", "secret": "test-secret"},
+        "tiers": [
+            {"kind": "host", "capacity": "32MiB"},
+            {
+                "kind": "mooncake",
+                "master": mooncake_cluster.address,
+                "segment_size": 0,
+                "buffer_size": "16MiB",
+                "prefix": "vllm" + uuid.uuid4().hex[:8],
+            },
+        ],
+    }
+    a = H.engine(model, cfg, **kw)
+    b = None
+    try:
+        _run(a, p1)  # A computes the document; written through to the pool
+        ref = list(_run(a, p2).outputs[0].token_ids)  # A's own prefix cache serves the doc
+        b = H.engine(model, cfg, **kw)
+        o = _run(b, p2)
+        assert o.num_cached_tokens == DOC
+        assert list(o.outputs[0].token_ids) == ref
+    finally:
+        for e in (a, b):
+            if e is not None:
+                _close(e)
+
+
+def test_redis_killed_mid_run_recomputes_identically(model: Path) -> None:
+    """Engine A writes its documents through to a real redis-server; engine B (empty host
+    tier) serves one from Redis, then Redis is killed: B's next requests (prefixes that were
+    only in Redis) are recomputed, identical, none fails; after a restart B works on."""
+    from tests.servers import redis_server_process
+
+    redis = redis_server_process().start()
+    kw: dict[str, Any] = {"kv_bytes": 16 << 20, "max_model_len": 4096}
+    cfg = {
+        "store": {"block_tokens": 256, "model_id": "tiny-redis-kill", "secret": "test-secret"},
+        "tiers": [
+            {"kind": "host", "capacity": "32MiB"},
+            {"kind": "redis", "url": f"redis://127.0.0.1:{redis.port}", "prefix": "kill"},
+        ],
+    }
+    docs = [_tokens(30 + i, DOC) for i in range(3)]
+    prompts = [d + _tokens(40 + i, 30) for i, d in enumerate(docs)]
+    a = H.engine(model, cfg, **kw)
+    b = None
+    try:
+        ref = [list(_run(a, p).outputs[0].token_ids) for p in prompts]
+        b = H.engine(model, cfg, **kw)
+        first = _run(b, prompts[0])
+        assert first.num_cached_tokens == DOC  # from Redis
+        assert list(first.outputs[0].token_ids) == ref[0]
+        redis.kill()
+        outs = b.generate([H.prompt(p) for p in prompts[1:]], H.greedy(8), use_tqdm=False)
+        for o, want in zip(outs, ref[1:], strict=True):
+            assert o.num_cached_tokens == 0  # Redis is gone: recomputed
+            assert o.outputs[0].finish_reason == "length"
+            assert list(o.outputs[0].token_ids) == want
+        redis.start()  # empty: B's own host tier still serves what B computed
+        b.reset_prefix_cache()
+        again = _run(b, prompts[2])
+        assert again.num_cached_tokens == DOC
+        assert list(again.outputs[0].token_ids) == ref[2]
+    finally:
+        for e in (a, b):
+            if e is not None:
+                _close(e)
+        redis.stop()
 
 
 def test_vllm_serve_multi_turn_history_comes_from_kvtier(model: Path, tmp_path: Path) -> None:

@@ -18,7 +18,8 @@ from kvtier.identity import Identity
 from kvtier.integrations.vllm.backend import Scope, open_local
 from kvtier.integrations.vllm.lookup_rpc import LookupClient, LookupServer
 from kvtier.integrations.vllm.metadata import KvtierMetadata, PageOp
-from kvtier.integrations.vllm.pages import PageMover, page_layout
+from kvtier.integrations.vllm.movers import PageMover
+from kvtier.integrations.vllm.pages import PageLayout, page_layout
 from kvtier.integrations.vllm.settings import parse_settings
 from kvtier.integrations.vllm.worker import WorkerSide
 from tests.nvme_helpers import patch_file
@@ -36,6 +37,12 @@ def _caches(seed: int) -> list[torch.Tensor]:
     ]
 
 
+def _pages(caches: list[torch.Tensor]) -> PageLayout:
+    return page_layout(
+        caches, backend="CPU_ATTN", block_size=BS, kv_heads=HEADS, head_size=DIM2 // 2
+    )
+
+
 def _identity(tag: str = "test-pages") -> Identity:
     return Identity("tiny", "r1", engine_tag=tag, model_fingerprint="fp")
 
@@ -44,7 +51,7 @@ def _worker(caches: list[torch.Tensor], tiers: list[dict[str, Any]]) -> WorkerSi
     settings = parse_settings(
         {"kvtier_config": {"store": {"block_tokens": BT}, "tiers": tiers}}, BS
     )
-    pages = page_layout(caches, BS)
+    pages = _pages(caches)
     backend = open_local(settings.store_config(pages.kvtier_layout(BT), "tiny"), _identity())
     return WorkerSide(backend, PageMover(caches, pages))
 
@@ -95,7 +102,7 @@ def test_config_file_errors_name_the_file(tmp_path: Path) -> None:
 
 def test_a_tier_smaller_than_one_block_is_refused() -> None:
     s = parse_settings({"kvtier_config": {"tiers": [{"kind": "host", "capacity": "4KiB"}]}}, BS)
-    layout = page_layout(_caches(0), BS).kvtier_layout(s.block_tokens)
+    layout = _pages(_caches(0)).kvtier_layout(s.block_tokens)
     with pytest.raises(
         ConfigError, match=r"#0 \(host\) capacity '4KiB' is smaller than one kvtier block"
     ):
@@ -114,7 +121,7 @@ def test_pages_round_trip_through_the_store_bit_exact() -> None:
         # same identity, different processes' stores: copy a's store into b's by bytes
         a.save(KvtierMetadata(saves=[_op(toks, 0, 3 * BT, [5, 9, 2, 7, 11, 3])]))
         assert a.saved_tokens == 3 * BT
-        kv = a.mover.as_kv(a.mover.gather([5, 9, 2, 7, 11, 3]))
+        kv = a.mover.as_kv(a.mover.start_gather([5, 9, 2, 7, 11, 3]).buf)
         b.backend.store(toks[: 3 * BT], kv, Scope())
         before = [c.clone() for c in dst]
         # vLLM already holds the first page (its own prefix cache): keep_pages=1 leaves it alone
@@ -238,7 +245,7 @@ def test_another_tensor_parallel_rank_never_reads_this_ranks_blocks(tmp_path: Pa
         },
         BS,
     )
-    pages = page_layout(caches, BS)
+    pages = _pages(caches)
     cfg = settings.store_config(pages.kvtier_layout(BT), "tiny")
     for rank, expect in ((0, 0), (0, 2 * BT), (1, 0)):
         ident = Identity("tiny", "r1", rank, 2, engine_tag="test-pages", model_fingerprint="fp")
@@ -249,3 +256,116 @@ def test_another_tensor_parallel_rank_never_reads_this_ranks_blocks(tmp_path: Pa
                 w.save(KvtierMetadata(saves=[_op(toks, 0, 2 * BT, [0, 1, 2, 3])]))
         finally:
             w.close()
+
+
+# -- the scheduler side with real vLLM requests --------------------------------------------
+def _request(req_id: str, tokens: list[int] | None, **kw: Any) -> Any:
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(req_id, tokens, SamplingParams(max_tokens=4), None, **kw)
+
+
+def _scheduler(w: WorkerSide) -> Any:
+    from kvtier.integrations.vllm.scheduler import SchedulerSide
+
+    return SchedulerSide(
+        lambda t, s, st: w.backend.lookup(t, s, st),
+        lambda r, t, s, st: w.lease(r, t, s, st),
+        BT,
+        BS,
+    )
+
+
+def test_multimodal_and_prompt_embeds_requests_are_never_looked_up_and_are_counted() -> None:
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    caches = _caches(7)
+    w = _worker(caches, [{"kind": "host", "capacity": "8MiB"}])
+    try:
+        toks = _tokens(7, 2 * BT + 1)
+        zeros = np.zeros(2 * BT + 1, dtype=np.int32)  # what vLLM puts for prompt embeddings
+        w.save(KvtierMetadata(saves=[_op(toks, 0, 2 * BT, [0, 1, 2, 3])]))
+        w.save(KvtierMetadata(saves=[_op(zeros, 0, 2 * BT, [4, 5, 6, 7])]))
+        sched = _scheduler(w)
+        assert sched.matched(_request("plain", toks.tolist()), 0) == 2 * BT
+        image = MultiModalFeatureSpec(
+            data=None, modality="image", identifier="img", mm_position=PlaceholderRange(4, 16)
+        )
+        mm = _request("mm", toks.tolist(), mm_features=[image])
+        embeds = _request("emb", None, prompt_embeds=torch.zeros(2 * BT + 1, 8))
+        assert list(embeds.all_token_ids[:4]) == [0, 0, 0, 0]  # the ids do not name the input
+        lookups = sched.stats()["lookups"]
+        assert sched.matched(mm, 0) == 0
+        assert sched.matched(embeds, 0) == 0
+        assert sched.stats()["uncacheable"] == 2
+        assert sched.stats()["lookups"] == lookups  # no store question asked for them
+        assert sched.matched(mm, 0) == 0  # vLLM asks again: counted once
+        assert sched.stats()["uncacheable"] == 2
+        assert sched.finished(mm) == (False, {"kvtier": "uncacheable"})
+        assert sched.finished(embeds) == (False, {"kvtier": "uncacheable"})
+    finally:
+        w.close()
+
+
+def test_lora_adapters_never_share_blocks_and_the_same_adapter_hits() -> None:
+    """Real ``LoRARequest``s: an adapter's scope is its name, path and id; blocks stored for
+    adapter A are a miss for B (and for the base model), a hit for A."""
+    from vllm.lora.request import LoRARequest
+
+    from kvtier.integrations.vllm.scheduler import request_scope
+
+    a, b = LoRARequest("a", 1, "/adapters/a"), LoRARequest("b", 2, "/adapters/b")
+    a_moved = LoRARequest("a", 3, "/adapters/a-v2")  # same name, other weights
+    caches = _caches(8)
+    w = _worker(caches, [{"kind": "host", "capacity": "8MiB"}])
+    try:
+        toks = _tokens(8, 2 * BT + 1)
+        scope_a = request_scope(_request("x", toks.tolist(), lora_request=a))
+        w.save(
+            KvtierMetadata(saves=[PageOp("x", toks[: 2 * BT], 0, 2 * BT, (0, 1, 2, 3), scope_a)])
+        )
+        sched = _scheduler(w)
+        assert sched.matched(_request("ra", toks.tolist(), lora_request=a), 0) == 2 * BT
+        assert sched.matched(_request("rb", toks.tolist(), lora_request=b), 0) == 0
+        assert sched.matched(_request("ra2", toks.tolist(), lora_request=a_moved), 0) == 0
+        assert sched.matched(_request("base", toks.tolist()), 0) == 0
+    finally:
+        w.close()
+
+
+def test_redis_killed_between_lookup_and_load_is_a_load_error_not_wrong_kv() -> None:
+    """A real redis-server holds a prefix (written through by another rank's store); this
+    store's lookup finds it there, then Redis is killed before the load: the pages are
+    reported as load errors (vLLM recomputes them), untouched, and nothing raises."""
+    from tests.servers import redis_server_process
+
+    redis = redis_server_process().start()
+    tiers = [
+        {"kind": "host", "capacity": "8MiB"},
+        {
+            "kind": "redis",
+            "url": f"redis://127.0.0.1:{redis.port}",
+            "prefix": "parts",
+            "secret": "s",
+        },
+    ]
+    try:
+        caches = _caches(9)
+        toks = _tokens(9, 2 * BT + 1)
+        a = _worker(caches, tiers)
+        a.save(KvtierMetadata(saves=[_op(toks, 0, 2 * BT, [0, 1, 2, 3])]))
+        a.close()  # drains the write-through to Redis
+        b = _worker(caches, tiers)  # empty host tier: the prefix is only in Redis
+        try:
+            assert b.backend.lookup(toks, Scope()) == 2 * BT
+            redis.kill()
+            sentinel = [c[8:12].clone() for c in caches]
+            b.load(KvtierMetadata(loads=[_op(toks, 0, 2 * BT, [8, 9, 10, 11])]))
+            assert b.take_load_errors() == {8, 9, 10, 11}
+            assert all(torch.equal(c[8:12], s) for c, s in zip(caches, sentinel, strict=True))
+            assert b.backend.lookup(toks, Scope()) == 0  # and later lookups miss
+        finally:
+            b.close()
+    finally:
+        redis.stop()

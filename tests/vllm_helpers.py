@@ -78,3 +78,43 @@ def prompt(tokens: list[int], salt: str | None = None) -> Any:
     if salt is not None:
         p["cache_salt"] = salt
     return p
+
+
+def tiny_lora(path: Path, base: Path, *, seed: int, rank: int = 8) -> Path:
+    """A random LoRA adapter for ``tiny_llama(base)`` in PEFT format (q/v projections) at
+    ``path``; return ``path``."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((base / "config.json").read_text())
+    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    out = {
+        "q_proj": cfg["num_attention_heads"] * head_dim,
+        "v_proj": cfg["num_key_value_heads"] * head_dim,
+    }
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for i in range(layers):
+        for proj, n_out in out.items():
+            key = f"base_model.model.model.layers.{i}.self_attn.{proj}"
+            weights[f"{key}.lora_A.weight"] = torch.randn(rank, hidden, generator=g) * 0.1
+            weights[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.1
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {k: v.to(torch.bfloat16).contiguous() for k, v in weights.items()},
+        str(path / "adapter_model.safetensors"),
+    )
+    (path / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+                "target_modules": sorted(out), "lora_dropout": 0.0, "bias": "none",
+                "fan_in_fan_out": False, "base_model_name_or_path": str(base),
+                "modules_to_save": None, "use_rslora": False, "use_dora": False,
+            }
+        )
+    )  # fmt: skip
+    return path

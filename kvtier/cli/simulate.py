@@ -247,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     with _LazyProgress(len(trace), "replaying") as progress:
-        if hier.nodes > 1:
+        if hier.clustered:
             from kvtier.sim.cluster import replay_cluster
 
             res = replay_cluster(

@@ -55,6 +55,11 @@ class EvictionPolicy(ABC, Generic[K]):
         right for policies where an access is only recency."""
         self.access(keys)
 
+    def missed(self, keys: Sequence[K]) -> None:
+        """Lookups of ``keys`` (prefix order) reached this tier and found nothing: they were
+        just written into the first tier, new or read from a tier below this one. Only tiers
+        below the first are told; by default nothing."""
+
     @abstractmethod
     def remove(self, key: K) -> None:
         """Forget ``key`` (deleted or moved out by someone else); absent keys are ignored."""

@@ -14,9 +14,14 @@ and lets the tier's traffic decide, with no constant to tune:
   Within one request the store reports its leading hits twice (``access`` on load, ``refresh``
   on store): a ``refresh`` key the last ``access`` named is not a second reference.
 
-A tier below the first chooses the same way, on what it sees: the first tier's victims (a
-victim a shadow still holds was asked for again while this tier's real ranking had dropped it)
-and its own hits.
+**A tier below the first** judges its shadows on the lookups that reach it, as a cache of its
+size serving the misses of the tiers above would: its own hits (``access``) and the blocks that
+passed it by (``missed``: written into the first tier new, or read from a tier below), each a
+hit for a shadow holding it and admitted into one that does not. Demotions into it (``insert``)
+are not references: no request asked for those blocks, and judging on them would score the
+shadows on the first tier's victims (a filtered stream that favours the ranking already in use).
+The index tells only tiers below the first of ``missed``, so the first ``missed`` call is what
+makes an ``Auto`` judge as a lower tier.
 
 Memory: the shadows hold keys only, a few hundred bytes per block of the tier's capacity (a block
 of KV is kilobytes to megabytes). Work: about three times S3-FIFO's per call. Prefix-aware as its
@@ -49,13 +54,16 @@ class Shadow:
         many as fit, the keys named here pinned while room is made)."""
         res = self.resident
         pol = self.policy
-        hit = [k for k in keys if k in res]
+        hit: list[Any] = []
+        new: list[Any] = []
+        for k in keys:
+            (hit if k in res else new).append(k)
         if hit:
             self.hits += len(hit)
             pol.access(hit)
-        if len(hit) == len(keys):
+        if not new:
             return
-        new = [k for k in keys if k not in res][: max(0, self.capacity - len(hit))]
+        del new[max(0, self.capacity - len(hit)) :]
         need = len(pol) + len(new) - self.capacity
         if need > 0:
             named = set(keys)
@@ -75,6 +83,7 @@ class Auto(EvictionPolicy[K]):
         self._s3: S3FIFO[K] = S3FIFO(capacity)
         self._shadows = (Shadow(LRU(capacity)), Shadow(S3FIFO(capacity)))
         self._accessed: set[K] = set()
+        self._below = False  # told ``missed``: a tier below the first (module docstring)
 
     def _reference(self, keys: Sequence[K]) -> None:
         for s in self._shadows:
@@ -85,9 +94,16 @@ class Auto(EvictionPolicy[K]):
         return lru.hits > s3.hits
 
     def insert(self, keys: Sequence[K], hint: Hashable | None = None) -> None:
-        """New keys (or resident ones: a hit), prefix order; ``hint`` is ignored."""
+        """New keys (or resident ones: a hit), prefix order; ``hint`` is ignored. A reference
+        for the shadows in the first tier only (module docstring)."""
         self._lru.insert(keys)
         self._s3.insert(keys)
+        if not self._below:
+            self._reference(keys)
+
+    def missed(self, keys: Sequence[K]) -> None:
+        """Lookups that reached this lower tier and missed: references for the shadows."""
+        self._below = True
         self._reference(keys)
 
     def access(self, keys: Sequence[K]) -> None:

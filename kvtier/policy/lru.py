@@ -19,8 +19,10 @@ class LRU(EvictionPolicy[K]):
     def insert(self, keys: Sequence[K], hint: Hashable | None = None) -> None:
         order = self._order
         for k in reversed(keys):
-            order[k] = None
-            order.move_to_end(k)
+            if k in order:
+                order.move_to_end(k)
+            else:
+                order[k] = None  # appended: the most recent end
 
     def access(self, keys: Sequence[K]) -> None:
         order = self._order

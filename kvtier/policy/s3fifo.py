@@ -62,15 +62,14 @@ class S3FIFO(EvictionPolicy[K]):
         fresh = max(self._drops - self._ghost_cap, 0)  # ghost entries above this are live
         for k in reversed(keys) if self.leaf_first else keys:
             f = freq.get(k)
-            if f is not None:
-                if f < MAX_FREQ:
-                    freq[k] = f + 1
-                continue
-            freq[k] = 0
-            if ghost.pop(k, 0) > fresh:
-                main[k] = None
-            else:
-                small[k] = None
+            if f is None:
+                freq[k] = 0
+                if ghost.pop(k, 0) > fresh:
+                    main[k] = None
+                else:
+                    small[k] = None
+            elif f < MAX_FREQ:
+                freq[k] = f + 1
 
     def access(self, keys: Sequence[K]) -> None:
         freq = self._freq
@@ -106,11 +105,13 @@ class S3FIFO(EvictionPolicy[K]):
         victims: list[K] = []
         drops = self._drops
         ns, nm = len(small), len(main)
+        small_cap = self._small_cap
+        pop_small, pop_main = small.popitem, main.popitem
         skip_small = skip_main = 0  # pinned keys passed since the last progress
         while len(victims) < n:
             main_open = skip_main < nm
-            if skip_small < ns and (ns >= self._small_cap or not main_open):
-                k = small.popitem(last=False)[0]
+            if skip_small < ns and (ns >= small_cap or not main_open):
+                k = pop_small(last=False)[0]
                 if freq[k]:  # hit on probation: promoted
                     freq[k] = 0
                     main[k] = None
@@ -127,7 +128,7 @@ class S3FIFO(EvictionPolicy[K]):
                 drops += 1
                 ghost[k] = drops
             elif main_open:
-                k = main.popitem(last=False)[0]
+                k = pop_main(last=False)[0]
                 f = freq[k]
                 if f:
                     freq[k] = f - 1

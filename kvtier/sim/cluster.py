@@ -11,27 +11,25 @@ one node, read on another. Model (the one-node rules of ``kvtier.sim.replay`` ot
   node's load -- tokens it prefilled so far -- exceeds the least loaded node's by more than
   ``BALANCE`` of the mean load, then to the least loaded node (a cache-aware router with a
   balance guard, as serving routers do).
-* **Node tiers.** The tiers before the first shared one (HBM, DRAM, NVMe) exist once per node,
-  each node's an exclusive hierarchy of its own (``kvtier.sim.tierchain.TierChain``). This is
-  the older model (whole chains inserted, the partial last block credited), not yet the
-  store's own decisions that one-node replays run (``kvtier.sim.storemodel``): a cluster's
-  numbers are the exclusive model's.
+* **Node tiers.** The tiers before the first shared one (HBM, DRAM, NVMe) exist once per node:
+  each node is a store of its own, run by the store's own decisions as a one-node replay is
+  (``kvtier.sim.storemodel``: inclusive hierarchy, full blocks only).
 * **Shared tiers** (from ``shared_from`` on: the pool, object storage) exist once for the
-  cluster and are *written through*: when any node has served a request, the shared tiers serve
-  its chain too (missing blocks written, blocks found in a lower shared tier moved up, the whole
-  chain an access to the first shared tier's policy), so every other node can hit them. A block
-  can be in a node's tiers and in the shared ones at once.
-* **Hits.** A request's leading run is over its node's tiers and the shared ones together; each
-  block is credited to the node tier holding it, else to the shared tier. A block found only in
-  the shared tiers is copied into the node's first tier.
+  cluster (``kvtier.sim.sharedtier``): every node's store writes the blocks it stores through
+  to each of them, and after the run its own tiers hold asks the first shared tier that holds
+  any of the rest for its leading run, as ``TieredStore`` does. A shared tier evicts on its own
+  (its policy, fed every node's writes and reads); a node learns of it only when a read fails.
+  A victim of a node's first tier that the node wrote through is not demoted (a copy exists
+  below): the store's inclusive rule, with the pool as the lower copy.
+* **Hits.** A request's cached tokens are the blocks its node loaded, each credited to the
+  tier it was read from; blocks read from a shared tier are promoted into the node's first.
 
 Belady's MIN is not offered here: each node's future depends on the routing of every request.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from itertools import takewhile
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -40,8 +38,9 @@ from kvtier.errors import ConfigError
 from kvtier.policy.hints import output_class
 from kvtier.sim.hierarchy import ROUTES
 from kvtier.sim.replay import ReplayResult, TierSpec, build_policy
-from kvtier.sim.tierchain import TierChain
-from kvtier.sim.trace import Request, Trace
+from kvtier.sim.sharedtier import SharedTier
+from kvtier.sim.storemodel import ModelStore
+from kvtier.sim.trace import Trace
 
 #: ``cache`` routing: how far above the least loaded node (a fraction of the mean load) a node
 #: may be and still get a request for its cached prefix
@@ -87,7 +86,8 @@ def replay_cluster(
 ) -> ReplayResult:
     """Replay ``trace`` on ``nodes`` nodes with ``tiers`` (fastest first): ``tiers[:shared_from]``
     per node, ``tiers[shared_from:]`` shared (module docstring). Counters are summed over the
-    nodes; ``hints`` and ``progress`` as ``replay``."""
+    nodes; ``hints`` and ``progress`` as ``replay``. Tiers of 0 blocks are left out (an empty
+    pool passes the writes on to object storage); an empty first tier caches nothing."""
     specs = tuple(tiers)
     if nodes < 1:
         raise ConfigError(f"--nodes must be >= 1, got {nodes}")
@@ -97,69 +97,74 @@ def replay_cluster(
         )
     if any(s.policy.lower() == "belady" for s in specs):
         raise ConfigError(
-            "belady is not offered for a cluster (--nodes > 1): pick an online policy"
+            "belady is not offered for a cluster (--nodes > 1) or a shared tier (pool, object): "
+            "pick an online policy"
         )
-    own = specs[:shared_from]
-    # the shared tiers that hold anything (an empty pool passes the writes on to object storage)
-    shared_at = [j for j in range(shared_from, len(specs)) if specs[j].capacity_blocks]
-    shared_specs = [specs[j] for j in shared_at]
-
-    def chain_of(tier_specs: Sequence[TierSpec]) -> TierChain:
-        pols = [build_policy(s, None) for s in tier_specs]
-        return TierChain(pols, [s.capacity_blocks for s in tier_specs])
-
-    node_tiers = [chain_of(own) for _ in range(nodes)]
-    shared = chain_of(shared_specs) if shared_specs else None
+    n_req = len(trace.requests)
+    hits = np.zeros((len(specs), n_req), dtype=np.int64)
+    # the tiers that hold anything, by their place in ``specs``
+    own_at = [t for t in range(shared_from) if specs[t].capacity_blocks]
+    shared_at = [t for t in range(shared_from, len(specs)) if specs[t].capacity_blocks]
+    if not specs[0].capacity_blocks:
+        own_at = shared_at = []
+    at = own_at + shared_at  # a node store's tier t is specs[at[t]]
+    shared = [SharedTier(specs[t].capacity_blocks, build_policy(specs[t], None)) for t in shared_at]
+    stores = [
+        ModelStore(
+            [specs[t].capacity_blocks for t in own_at] or [0],
+            lambda t, _cap: build_policy(specs[own_at[t]], None),
+            shared,
+        )
+        for _ in range(nodes)
+    ]
     by_cache = route == "cache"
-    node_of = np.zeros(len(trace.requests), np.int64) if by_cache else route_of(trace, nodes, route)
+    node_of = np.zeros(n_req, np.int64) if by_cache else route_of(trace, nodes, route)
     load = [0] * nodes  # tokens prefilled so far, per node (``cache`` routing)
     bt = trace.block_tokens
-    n_req = len(trace.requests)
-    hits = [[0] * n_req for _ in specs]
-    cap0 = own[0].capacity_blocks
-    scap = shared_specs[0].capacity_blocks if shared_specs else 0
     block_hits = 0
     for i, (req, n) in enumerate(zip(trace.requests, node_of.tolist(), strict=True)):
-        blocks = req.blocks
+        blocks = req.blocks[: req.input_length // bt]
         if by_cache:
-            n = node_of[i] = _by_cache(node_tiers, blocks, load)
-        node = node_tiers[n]
-        located = node.locate(blocks)
-        s_located = shared.locate(blocks) if shared is not None else []
-        both = [
-            t if t is not None or s is None else shared_at[s]
-            for t, s in zip(located, s_located or [None] * len(blocks), strict=True)
-        ]
-        run = credit(both, req, bt, hits, i)
-        block_hits += run
-        if by_cache:
-            load[n] += req.input_length - sum(h[i] for h in hits)
-        hint = output_class(req.output_length, run > 0) if hints else None
-        chain = blocks if len(blocks) <= cap0 else blocks[:cap0]
-        node.serve(chain, located[: len(chain)], hint)
-        if shared is not None:
-            schain = blocks if len(blocks) <= scap else blocks[:scap]
-            shared.serve(schain, s_located[: len(schain)], hint)
+            n = node_of[i] = _by_cache(stores, blocks, load)
+        if own_at:
+            out = req.output_length
+
+            def hint(run: int, out: int = out) -> Hashable | None:
+                return output_class(out, run > 0) if hints else None
+
+            read = stores[n].serve(blocks, hint)
+            block_hits += len(read)
+            for t in set(read):
+                hits[at[t], i] = bt * read.count(t)
+            if by_cache:
+                load[n] += req.input_length - bt * len(read)
         if progress is not None and i & 255 == 255:
             progress(i + 1)
     if progress is not None:
         progress(n_req)
 
-    def total(counts: Callable[[TierChain], list[int]]) -> list[int]:
-        out = [sum(c) for c in zip(*(counts(x) for x in node_tiers), strict=True)]
-        out += [0] * (len(specs) - shared_from)
-        if shared is not None:
-            for j, c in zip(shared_at, counts(shared), strict=True):
-                out[j] = c
+    def total(counts: Callable[[ModelStore], list[int]]) -> list[int]:
+        out = [0] * len(specs)
+        for st in stores:
+            for t, c in zip(at[: len(own_at)], counts(st), strict=False):
+                out[t] += c
         return out
 
+    written = total(lambda st: st.written)
+    evicted = total(lambda st: st.evicted)
+    for t, sh in zip(shared_at, shared, strict=True):
+        written[t], evicted[t] = sh.written, sh.evicted
+    promoted = [0] * len(specs)
+    for st in stores:
+        for t, c in enumerate(st.promoted[: len(at)]):
+            promoted[at[t]] += c
     return ReplayResult(
         tiers=specs,
-        hit_tokens=np.array(hits, dtype=np.int64).reshape(len(specs), n_req),
+        hit_tokens=hits,
         input_tokens=np.array([r.input_length for r in trace.requests], dtype=np.int64),
-        promoted_blocks=total(lambda x: x.promoted),
-        written_blocks=total(lambda x: x.written),
-        evicted_blocks=total(lambda x: x.evicted),
+        promoted_blocks=promoted,
+        written_blocks=written,
+        evicted_blocks=evicted,
         block_hits=block_hits,
         block_refs=trace.block_events,
         hints=hints,
@@ -170,35 +175,15 @@ def replay_cluster(
     )
 
 
-def _by_cache(node_tiers: Sequence[TierChain], blocks: Sequence[int], load: list[int]) -> int:
+def _by_cache(stores: Sequence[ModelStore], blocks: Sequence[int], load: list[int]) -> int:
     """``cache`` routing (module docstring): the node holding the longest leading run of
     ``blocks`` in its own tiers, least loaded first among equals, unless it is overloaded."""
     best, pick = -1, 0
-    for n, node in enumerate(node_tiers):
-        run = sum(1 for _ in takewhile(node.where.__contains__, blocks))
+    for n, st in enumerate(stores):
+        run = st.local_run(blocks)
         if run > best or (run == best and load[n] < load[pick]):
             best, pick = run, n
     least = min(range(len(load)), key=load.__getitem__)
     if load[pick] - load[least] > BALANCE * sum(load) / len(load):
         return least
     return pick
-
-
-def credit(located: list[int | None], req: Request, bt: int, hits: list[list[int]], i: int) -> int:
-    """Credit request ``i``'s cached tokens to the tiers holding its leading run of blocks
-    (``located``: each block's tier before serving, None if absent) in ``hits[tier][i]``: each
-    block ``bt`` tokens, the last block of a fully cached request what is left of its input.
-    Returns the run's length in blocks."""
-    n = len(located)
-    run = located.index(None) if None in located else n
-    if run:
-        head = located[:run]
-        first = head.count(0)
-        hits[0][i] += bt * first
-        if first < run:  # some of the run sits below the first tier
-            for t in head:
-                if t:
-                    hits[t][i] += bt
-        if run == n:
-            hits[located[-1]][i] += req.input_length - bt * n  # type: ignore[index]
-    return run

@@ -6,9 +6,10 @@ cut into segments (``kvtier.sim.lrustack``); the shared tiers, written through b
 are one LRU stack over the whole trace. So every block reference gets two stack positions, its
 node's and the cluster's, and for any sizes a block is present iff its node position is within
 the node's tiers or its cluster position within the shared ones; the leading run and the tier
-credited (the node's first) follow with numpy. Exact for the cluster replay with LRU (as the
-one-node profile is, given a first tier and a first shared tier that hold the longest request);
-a screen for other policies. ``cache`` routing depends on the caches: no profile.
+credited (the node's first) follow with numpy. That is an exclusive LRU hierarchy with whole
+chains written through, not the store's model that the cluster replay runs
+(``kvtier.sim.cluster``): like the one-node profile it is the sizing walk's screen, and the
+replay decides. ``cache`` routing depends on the caches: no profile.
 """
 
 from __future__ import annotations

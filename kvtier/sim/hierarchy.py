@@ -119,6 +119,13 @@ class Hierarchy:
         kinds = [_kind(t.name) for t in self.tiers]
         return next((i for i, k in enumerate(kinds) if k in SHARED_KINDS), len(kinds))
 
+    @property
+    def clustered(self) -> bool:
+        """Whether a replay needs the cluster model: several nodes, or a shared tier (a pool or
+        object tier is shared in the store even on one node: written through, evicting on
+        its own; ``kvtier.sim.cluster``)."""
+        return self.nodes > 1 or self.shared_from < len(self.tiers)
+
     def specs(self) -> list[TierSpec]:
         """Replay tier specs (capacity in blocks)."""
         return [

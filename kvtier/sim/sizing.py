@@ -32,9 +32,9 @@ Costs are ``capacity x $/GB/month`` per tier (GPU rental excluded); the tiers se
 (at most what ``--gpus`` x ``--gpu-memory`` leave after weights and a 10% reserve), then
 ``--dram``, ``--nvme``, ``--pool`` (each an upper bound; 0 leaves the tier out). With
 ``--nodes N`` the sizes are a cluster's (``kvtier.sim.cluster``): HBM, DRAM and NVMe bought once
-per node, the pool once; the screen is then ``kvtier.sim.clusterstack``'s profile (exact for LRU
-with ``rr`` or ``prefix`` routing; ``cache`` routing is screened as ``prefix``) and the replays
-are cluster replays.
+per node, the pool once; the screen is then ``kvtier.sim.clusterstack``'s profile (an exclusive-LRU
+estimate, as the one-node screen is; ``cache`` routing is screened as ``prefix``) and the
+replays, which decide, are cluster replays (the store's model on every node).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def sized(hier: Hierarchy, caps_bytes: tuple[int, ...]) -> Hierarchy:
 def exact_p90(trace: Trace, hier: Hierarchy, hints: bool = True) -> tuple[float, Any]:
     """Replay ``hier`` (sizes as given; ``hints`` as ``replay``) and return (TTFT p90 in s, the
     replay result)."""
-    if hier.nodes > 1:
+    if hier.clustered:
         specs = hier.specs()
         res = replay_cluster(trace, specs, hier.nodes, hier.shared_from, hier.route, hints)
     else:

@@ -34,6 +34,7 @@ from kvtier.decider import Decider, Read
 from kvtier.keys import BlockKey
 from kvtier.moves import Move
 from kvtier.policy.base import EvictionPolicy
+from kvtier.sim.sharedtier import SharedTier
 from kvtier.transfer import Completion, Job
 
 
@@ -61,25 +62,36 @@ class ModelStore:
     """
 
     def __init__(
-        self, capacities: Sequence[int], policy: Callable[[int, int], EvictionPolicy[Any]]
+        self,
+        capacities: Sequence[int],
+        policy: Callable[[int, int], EvictionPolicy[Any]],
+        shared: Sequence[SharedTier] = (),
     ) -> None:
+        """``shared``: tiers after the local ones that this node shares with others (a
+        cluster's pool, object storage): written through, read after the local run."""
         tiers = [ModelTier(c) for c in capacities]
+        tiers += [ModelTier(s.capacity, shared=True) for s in shared]
         self.decider = Decider(tiers, policy, block_tokens=1)
         self.index = self.decider.index
+        self.shared = list(shared)
+        self.n_local = len(capacities)
+        self.local_mask = (1 << self.n_local) - 1
         n = len(tiers)
         self.cap0 = capacities[0]
         self.promoted = [0] * n
         self.written = [0] * n
         self.evicted = [0] * n
 
-    def locate(self, blocks: Sequence[int]) -> list[int | None]:
-        """The fastest tier holding each of ``blocks`` now (None: no tier). No side effects."""
-        get = self.index.entries.get
-        out: list[int | None] = []
+    def local_run(self, blocks: Sequence[int]) -> int:
+        """How many leading ``blocks`` this node's own tiers hold now. No side effects."""
+        get, mask = self.index.entries.get, self.local_mask
+        n = 0
         for k in blocks:
             e = get(k)  # type: ignore[call-overload]
-            out.append(e.best_tier() if e is not None and e.tiers else None)
-        return out
+            if e is None or not e.tiers & mask:
+                break
+            n += 1
+        return n
 
     def serve(self, blocks: Sequence[int], hint: Callable[[int], Hashable | None]) -> list[int]:
         """Serve one request whose full blocks are ``blocks`` (prefix order): lookup, load,
@@ -92,22 +104,54 @@ class ModelStore:
 
     # -- load: ReadPath.load / _load_pass / _promote ---------------------------------------
     def _load(self, keys: list[BlockKey]) -> list[Read]:
+        if self.shared:
+            return self._load_shared(keys)
         dec, idx = self.decider, self.index
-        entries = idx.entries
-        n = 0
-        for k in keys:  # TieredStore.lookup
-            e = entries.get(k)
-            if e is None or not e.tiers:
-                break
-            n += 1
+        # TieredStore.lookup, then the load's readable prefix: with every move done at once no
+        # copy is pending or leaving, so the two agree and one pass gives both
+        reads = dec.readable_prefix(iter(keys), len(keys))
+        n = len(reads)
         if not n:
             return []
-        reads = dec.readable_prefix(iter(keys), n)
         idx.pin([r.key for r in reads])
         promote, _ = dec.finish_load(reads, [True] * n, n, "")
         if promote:
             self._promote([reads[i] for i in promote])
         return reads
+
+    def _load_shared(self, keys: list[BlockKey]) -> list[Read]:
+        """``_load`` with shared tiers (ReadPath.load's passes): the index's readable run (which
+        may list blocks a shared tier has dropped since this node wrote them: such a read
+        fails, and a retry reads past it only if another tier holds a copy), then the leading
+        run the first shared tier holding any of the rest has (``_shared_extension``)."""
+        dec, idx = self.decider, self.index
+        done: list[Read] = []
+        for _ in range(3):
+            start = len(done)
+            reads = dec.readable_prefix(iter(keys[start:]), len(keys) - start)
+            idx.pin([r.key for r in reads])
+            have = start + len(reads)
+            for i, sh in enumerate(self.shared):
+                n_sh = sh.contains_prefix(keys[have:]) if have < len(keys) else 0
+                if n_sh:
+                    tier = self.n_local + i
+                    reads += [Read(k, tier, False) for k in keys[have : have + n_sh]]
+                    break
+            ok = [True] * len(reads)
+            for j, r in enumerate(reads):
+                if r.tier >= self.n_local:
+                    ok[j] = self.shared[r.tier - self.n_local].get([r.key])[0]
+                    if not ok[j]:
+                        ok[j + 1 :] = [False] * (len(reads) - j - 1)
+                        break
+            n = ok.index(False) if False in ok else len(ok)
+            promote, retry = dec.finish_load(reads, ok, n, "")
+            if promote:
+                self._promote([reads[i] for i in promote])
+            done += reads[:n]
+            if not retry or len(done) >= len(keys):
+                break
+        return done
 
     def _promote(self, reads: list[Read]) -> None:
         idx = self.index
@@ -122,11 +166,11 @@ class ModelStore:
             moves = self.decider.plan_fetch([r for r in reads if r.key in wanted], "")
             self._run("promote", moves)
             return
+        wanted = set(todo)
         for r in reads:
-            if r.key in todo:
+            if r.key in wanted:
                 self.promoted[r.tier] += 1
-        for k in todo:
-            idx.begin_write(k, 0)
+        idx.begin_writes(todo, 0)
         idx.end_write(todo, 0, [True] * len(todo))
         self.decider.counters.promotions += len(todo)
         self.written[0] += len(todo)
@@ -135,9 +179,12 @@ class ModelStore:
     def _store(self, keys: list[BlockKey], hint: Hashable | None) -> None:
         idx = self.index
         entries = idx.entries
-        held_at = [(e := entries.get(k)) is not None and bool(e.tiers | e.pending) for k in keys]
-        new = [k for k, h in zip(keys, held_at, strict=True) if not h]
-        held = [k for k, h in zip(keys, held_at, strict=True) if h]
+        new: list[BlockKey] = []
+        held: list[BlockKey] = []
+        get, mask = entries.get, self.local_mask  # a shared copy is not held: StoreCore._held
+        for k in keys:
+            e = get(k)
+            (held if e is not None and (e.tiers | e.pending) & mask else new).append(k)
         idx.pin(held)
         step = self.cap0 or len(new) or 1
         below = len(self.decider.local) > 1 or bool(self.decider.shared)
@@ -152,13 +199,17 @@ class ModelStore:
         idx = self.index
         fit = self._room_in_first(len(keys))
         entries = idx.entries
+        mask = self.local_mask
         new_keys = [
-            k for k in keys[:fit] if (e := entries.get(k)) is None or not (e.tiers | e.pending)
+            k
+            for k in keys[:fit]
+            if (e := entries.get(k)) is None or not (e.tiers | e.pending) & mask
         ]
-        for k in new_keys:
-            idx.begin_write(k, 0)
+        idx.begin_writes(new_keys, 0)
         idx.end_write(new_keys, 0, [True] * len(new_keys), hint)
         self.written[0] += len(new_keys)
+        if self.shared:
+            self._run("write-through", self.decider.plan_write_through(new_keys, ""))
         return len(new_keys)
 
     def _room_in_first(self, n: int) -> int:
@@ -177,6 +228,8 @@ class ModelStore:
             return
         for mv in moves:
             mv.ok = [True] * len(mv.keys)
+            if mv.dst is not None and mv.dst >= self.n_local:  # a shared tier: written through
+                self.shared[mv.dst - self.n_local].put(mv.keys)
             if mv.dst is not None:
                 self.written[mv.dst] += len(mv.keys)
                 if mv.dst == 0:

@@ -22,6 +22,8 @@ Used by ``tests/test_sim_store.py`` (the simulator's token hits equal the store'
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,36 +65,61 @@ def replay_store(
     nvme_dir: str | Path | None = None,
     policy: str = DEFAULT_POLICY,
     hints: bool = True,
+    shared: Callable[[KVLayout], Tier] | None = None,
+    nodes: int = 1,
 ) -> StoreRun:
     """Serve ``trace`` through a real store (module docstring). ``nvme_dir`` (an empty
-    directory) is needed with ``nvme_blocks``. Builds and closes its own store."""
+    directory) is needed with ``nvme_blocks``. ``shared(layout)`` builds a shared tier (one
+    client per node, all on the same service) below the local ones; ``nodes`` stores take the
+    requests round robin (``kvtier.sim.cluster``'s ``rr``). Builds and closes its own stores."""
     layout = trace_layout(trace.block_tokens)
-    tiers: list[Tier] = [HostTier(layout, host_blocks * layout.block_bytes, pin_memory="never")]
-    if nvme_blocks:
-        from kvtier.tiers.nvme import NVMeTier
-        from kvtier.tiers.nvme_index import slot_bytes_for
 
-        assert nvme_dir is not None, "an NVMe tier needs a directory"
-        tiers.append(
-            NVMeTier(
-                layout,
-                [nvme_dir],
-                nvme_blocks * slot_bytes_for(layout.block_bytes),
-                warm_restart=False,
-                o_direct="never",
-                workers=1,
+    def node_tiers(n: int) -> list[Tier]:
+        tiers: list[Tier] = [HostTier(layout, host_blocks * layout.block_bytes, pin_memory="never")]
+        if nvme_blocks:
+            from kvtier.tiers.nvme import NVMeTier
+            from kvtier.tiers.nvme_index import slot_bytes_for
+
+            assert nvme_dir is not None, "an NVMe tier needs a directory"
+            root = Path(nvme_dir) / f"node{n}"
+            root.mkdir(parents=True, exist_ok=True)
+            tiers.append(
+                NVMeTier(
+                    layout,
+                    [root],
+                    nvme_blocks * slot_bytes_for(layout.block_bytes),
+                    warm_restart=False,
+                    o_direct="never",
+                    workers=1,
+                )
             )
-        )
+        if shared is not None:
+            tiers.append(shared(layout))
+        return tiers
+
     bt = trace.block_tokens
     longest = max((r.input_length for r in trace.requests), default=0)
     kv = np.zeros(layout.kv_shape(longest // bt * bt), dtype=layout.storage_dtype)
     out = np.empty_like(kv)
     hit = 0
-    by_tier = dict.fromkeys((t.name for t in tiers), 0)
-    with TieredStore(
-        layout, tiers, model_id="trace", policy=policy, workers=1, persist_on_close=False
-    ) as st:
-        for req in trace.requests:
+    with ExitStack() as stack:
+        stores = [
+            stack.enter_context(
+                TieredStore(
+                    layout,
+                    node_tiers(n),
+                    model_id="trace",
+                    policy=policy,
+                    workers=1,
+                    persist_on_close=False,
+                )
+            )
+            for n in range(nodes)
+        ]
+        names = [t.name for t in stores[0].tiers]
+        by_tier = dict.fromkeys(names, 0)
+        for i, req in enumerate(trace.requests):
+            st = stores[i % nodes]
             tokens = np.repeat(np.asarray(req.blocks, dtype=np.int64), bt)[: req.input_length]
             full = req.input_length // bt * bt
             found = st.lookup(tokens)
@@ -104,4 +131,4 @@ def replay_store(
             st.store(tokens, kv[:, :, :full], reuse_class=hint)
             st.flush()
             hit += got
-    return StoreRun(hit, trace.input_tokens, tuple(by_tier[t.name] for t in tiers))
+    return StoreRun(hit, trace.input_tokens, tuple(by_tier[n] for n in names))

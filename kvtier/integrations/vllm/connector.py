@@ -37,16 +37,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.backend import open_local
+from kvtier.integrations.vllm.format import (
+    check_cache_dtype,
+    engine_tag,
+    scales_digest,
+)
 from kvtier.integrations.vllm.identity import engine_identity, model_name
 from kvtier.integrations.vllm.lookup_rpc import LookupClient, LookupServer
 from kvtier.integrations.vllm.metadata import KvtierMetadata, LoadedRequests, RankHandshake
-from kvtier.integrations.vllm.pages import PageLayout, PageMover, page_layout
+from kvtier.integrations.vllm.movers import make_mover
+from kvtier.integrations.vllm.pages import element_dtype, page_layout
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.service_backend import open_service
 from kvtier.integrations.vllm.service_lookup import ServiceLookup
 from kvtier.integrations.vllm.settings import ConnectorSettings, parse_settings
 from kvtier.integrations.vllm.worker import WorkerSide
-from kvtier.layout import KVLayout, canonical_dtype
+from kvtier.layout import KVLayout
 
 # a child of vLLM's logger: its handlers (and VLLM_LOGGING_LEVEL) show kvtier's lines too
 log = logging.getLogger("vllm.kvtier")
@@ -71,28 +77,54 @@ def _attention_spec(kv_cache_config: Any) -> Any:
     return spec
 
 
-def _engine_tag(vllm_config: Any, pages: PageLayout) -> str:
-    """The page format: anything that changes a page's bytes for the same tokens and weights."""
-    from vllm.platforms import current_platform
-
-    cache = vllm_config.cache_config
-    mc = vllm_config.model_config
-    device = str(current_platform.device_type)
-    isa = "-"
+def _isa(vllm_config: Any, device: str) -> str:
+    """What else than the tensor shape changes a page's bytes on this device: the CPU
+    backend's ISA packing; on CUDA, the compute capability (kernels differ per architecture)."""
+    cache, mc = vllm_config.cache_config, vllm_config.model_config
     if device == "cpu":
         try:
             from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-            isa = str(
+            return str(
                 _get_attn_isa(mc.dtype, cache.block_size, mc.get_head_size(), cache.cache_dtype)
             )
         except Exception:  # an older/newer vLLM: name the machine's vector units instead
-            isa = f"{platform.machine()}-avx512={torch.cpu._is_avx512_supported()}"
-    shape = "x".join(str(d) for d in pages.page_shape)
-    return (
-        f"vllm-paged|{device}|isa={isa}|page={shape}|block_size={cache.block_size}"
-        f"|dtype={pages.dtype}|cache_dtype={cache.cache_dtype}"
-    )
+            return f"{platform.machine()}-avx512={torch.cpu._is_avx512_supported()}"
+    if device == "cuda" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"sm{major}{minor}"
+    return "-"
+
+
+def _attention_layers(vllm_config: Any, names: list[str]) -> list[Any]:
+    """vLLM's attention modules of ``names`` (``ConfigError`` if one is not registered)."""
+    ctx = vllm_config.compilation_config.static_forward_context
+    missing = [n for n in names if n not in ctx]
+    if missing:
+        raise ConfigError(f"kvtier: vLLM registered KV caches for unknown layers {missing[:3]}")
+    return [ctx[n] for n in names]
+
+
+def _backend_name(layers: list[Any]) -> str:
+    names = {str(layer.get_attn_backend().get_name()) for layer in layers}
+    if len(names) != 1:
+        raise ConfigError(
+            f"kvtier's vLLM connector needs one attention backend for every layer, got "
+            f"{sorted(names)}"
+        )
+    return names.pop()
+
+
+def _scales(layers: list[Any]) -> list[tuple[list[float], list[float]]]:
+    """Every layer's fp8 k/v scales as vLLM fixed them after loading the weights."""
+
+    def values(layer: Any, name: str) -> list[float]:
+        t = getattr(layer, name, None)
+        if t is None:
+            return []
+        return [float(x) for x in torch.as_tensor(t).detach().float().cpu().reshape(-1).tolist()]
+
+    return [(values(layer, "_k_scale"), values(layer, "_v_scale")) for layer in layers]
 
 
 class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -113,6 +145,11 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._worker: WorkerSide | None = None
         self._handshake: RankHandshake | None = None
         self._loaded: set[str] = set()  # service mode: requests loaded since the last step
+        self._layer_index: dict[str, int] = {}
+        check_cache_dtype(str(vllm_config.cache_config.cache_dtype))
+        from vllm.platforms import current_platform
+
+        self._async_save = self._settings.use_async_save(bool(current_platform.is_cuda_alike()))
         if role == KVConnectorRole.SCHEDULER:
             spec = _attention_spec(kv_cache_config)
             # check the config against the layout now: the engine refuses to start on a bad one
@@ -122,7 +159,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 layers,
                 spec.num_kv_heads,
                 per_token,
-                canonical_dtype(str(spec.dtype)),
+                element_dtype(spec.dtype, str(vllm_config.cache_config.cache_dtype)),
                 1,
                 self._settings.block_tokens,
             )
@@ -151,6 +188,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 lookups.lease,
                 self._settings.block_tokens,
                 vllm_config.cache_config.block_size,
+                async_save=self._async_save,
             )
 
     @property
@@ -192,10 +230,10 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        if self._sched is not None:
-            self._sched.finished(request)
         if self._service is not None:
             self._service.release((request.request_id,))
+        if self._sched is not None:
+            return self._sched.finished(request)
         return False, None
 
     # -- worker side -------------------------------------------------------------------------
@@ -203,11 +241,35 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
         cfg = self._vllm_config
-        pages = page_layout(list(kv_caches.values()), cfg.cache_config.block_size)
+        names = list(kv_caches)
+        layers = _attention_layers(cfg, names)
+        caches = [kv_caches[n] for n in names]
+        mc, cache = cfg.model_config, cfg.cache_config
+        pages = page_layout(
+            caches,
+            backend=_backend_name(layers),
+            block_size=cache.block_size,
+            kv_heads=mc.get_num_kv_heads(cfg.parallel_config),
+            head_size=mc.get_head_size(),
+            cache_dtype=str(cache.cache_dtype),
+        )
+        device = caches[0].device.type
+        cache_dtype = str(cache.cache_dtype)
+        scales = "-"
+        if check_cache_dtype(cache_dtype) == "per-tensor":
+            scales = scales_digest(_scales(layers))
+        tag = engine_tag(
+            device=device,
+            isa=_isa(cfg, device),
+            pages=pages,
+            block_size=cache.block_size,
+            cache_dtype=cache_dtype,
+            scales=scales,
+        )
         tp, pp = get_tp_group(), get_pp_group()
         ident = engine_identity(
             cfg,
-            _engine_tag(cfg, pages),
+            tag,
             self._settings.model_id,
             (tp.rank_in_group, tp.world_size),
             (pp.rank_in_group, pp.world_size),
@@ -215,31 +277,45 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         sc = self._settings.store_config(
             pages.kvtier_layout(self._settings.block_tokens), ident.model_id, ident.revision
         )
+        mover = make_mover(caches, pages)
         # the config may name another revision than vLLM's (it names the weights)
         ident = replace(ident, revision=sc.identity.revision)
         rank = pp.rank_in_group * tp.world_size + tp.rank_in_group
-        caches = list(kv_caches.values())
         service = self._settings.service
         backend: Any
-        mover: PageMover
         if service is not None:
-            backend, mover = open_service(
+            backend = open_service(
                 service.url,
                 ident,
                 sc.layout,
-                caches,
-                pages,
                 timeout=service.timeout,
                 name=f"vllm-{self._engine_id}-rank{rank}",
                 tenant=self._settings.tenant,
             )
             self._handshake = RankHandshake(ident, sc.layout)
         else:
-            backend, mover = open_local(sc, ident), PageMover(caches, pages)
-        self._worker = WorkerSide(backend, mover)
+            backend = open_local(sc, ident)
+        # per-layer waits only where every attention layer runs its Python hooks (eager):
+        # a CUDA graph replays the forward without them
+        eager = bool(mc.enforce_eager) or str(
+            getattr(cfg.compilation_config, "cudagraph_mode", "NONE")
+        ).endswith("NONE")
+        self._layer_index = {n: i for i, n in enumerate(names)}
+        self._worker = WorkerSide(
+            backend,
+            mover,
+            async_save=self._async_save,
+            save_queue_bytes=self._settings.save_queue_bytes,
+            layerwise=device == "cuda" and eager,
+        )
+        worker = self._worker
         self._worker.serve(
             LookupServer(
-                self._engine_id, rank, backend.lookup, self._worker.lease, self._worker.stats
+                self._engine_id,
+                rank,
+                backend.lookup,
+                worker.lease,
+                lambda: {**worker.stats(), "engine_tag": tag},
             )
         )
         where = f"uses kvtier serve at {service.url}" if service else "store ready"
@@ -247,6 +323,10 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_handshake_metadata(self) -> RankHandshake | None:
         return self._handshake  # service mode: what the scheduler looks up under
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        if self._worker is not None and isinstance(kv_connector_metadata, KvtierMetadata):
+            self._worker.preempted(kv_connector_metadata.preempted)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -263,7 +343,10 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return LoadedRequests(done)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv
+        if self._worker is not None and self._worker.layerwise:
+            layer = self._layer_index.get(layer_name)
+            if layer is not None:
+                self._worker.wait_layer(layer)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
@@ -278,9 +361,9 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._worker.save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self._worker is not None and finished_req_ids:
-            self._worker.finished(finished_req_ids)
-        return None, None
+        if self._worker is None or not finished_req_ids:
+            return None, None
+        return self._worker.finished(finished_req_ids) or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

@@ -44,10 +44,12 @@ class PageOp:
 
 @dataclass
 class KvtierMetadata(KVConnectorMetadata):  # type: ignore[misc]
-    """One step's loads (before the forward) and saves (after it)."""
+    """One step's loads (before the forward) and saves (after it), and the requests vLLM
+    preempted this step (their blocks are reused by this step's forward)."""
 
     loads: list[PageOp] = field(default_factory=list)
     saves: list[PageOp] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,13 @@ in the step's metadata, done by the worker side.
   recomputes it.
 - saves: after each step, the full kvtier blocks of tokens whose KV the step computed and
   that kvtier does not hold yet (from the end of the looked-up prefix onward).
+- async saves (``async_save``): a finished request that had saves keeps its pages until the
+  workers report its copies done (``finished`` returns True: vLLM's delayed free), and each
+  step's metadata names the requests vLLM preempted, whose copies the workers finish before
+  the forward reuses their pages.
 - requests kvtier cannot key safely (multimodal inputs, prompt embeddings) are neither looked up
-  nor saved; ``uncacheable`` counts them.
+  nor saved; ``uncacheable`` counts them, and their output says so (``kv_transfer_params``
+  ``{"kvtier": "uncacheable"}``, returned by ``finished``).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class _Req:
     held: int = 0  # kvtier's prefix end: saves start here
     load_end: int = 0  # > local: a load is owed for [local, load_end)
     pending_load: bool = False
+    saved: bool = False  # a save was issued (async: vLLM must wait for the workers to free)
 
 
 def request_scope(request: Any) -> Scope:
@@ -68,6 +74,7 @@ class SchedulerSide:
         block_tokens: int,
         page_tokens: int,
         kv_cache_manager: Any = None,
+        async_save: bool = False,
     ) -> None:
         self._lookup = lookup
         self._lease = lease
@@ -75,7 +82,9 @@ class SchedulerSide:
         self._bs = page_tokens
         self._reqs: dict[str, _Req] = {}
         self.kv_cache_manager = kv_cache_manager
+        self.async_save = async_save
         self.uncacheable = 0
+        self._uncacheable: set[str] = set()  # ids of such requests not finished yet
         self.lookups = 0
         self.hit_tokens = 0
 
@@ -89,7 +98,9 @@ class SchedulerSide:
         """Tokens beyond ``num_computed_tokens`` that kvtier will load (a multiple of vLLM's
         block size; 0 on a miss)."""
         if not cacheable(request):
-            self.uncacheable += 1
+            if request.request_id not in self._uncacheable:  # vLLM may ask again
+                self._uncacheable.add(request.request_id)
+                self.uncacheable += 1
             return 0
         st = self._state(request)
         tokens = request.all_token_ids
@@ -127,7 +138,9 @@ class SchedulerSide:
 
     def build(self, scheduler_output: Any) -> KvtierMetadata:
         """This step's loads and saves (does not modify ``scheduler_output``)."""
-        meta = KvtierMetadata()
+        meta = KvtierMetadata(
+            preempted=set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        )
         bt, bs = self._bt, self._bs
         computed: dict[str, int] = {
             r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs
@@ -170,6 +183,7 @@ class SchedulerSide:
                         )
                     )
                     st.held = done
+                    st.saved = True
         return meta
 
     def load_failed(self, block_ids: set[int]) -> None:
@@ -193,5 +207,11 @@ class SchedulerSide:
             "uncacheable": self.uncacheable,
         }
 
-    def finished(self, request: Any) -> None:
-        self._reqs.pop(request.request_id, None)
+    def finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        """Forget ``request``: (whether vLLM must keep its pages until the workers report its
+        async saves done, ``get_finished``; the ``kv_transfer_params`` for its output)."""
+        if request.request_id in self._uncacheable:
+            self._uncacheable.discard(request.request_id)
+            return False, {"kvtier": "uncacheable"}
+        st = self._reqs.pop(request.request_id, None)
+        return self.async_save and st is not None and st.saved, None

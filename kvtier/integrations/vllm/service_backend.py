@@ -5,15 +5,14 @@ with its own ``Identity`` (derived as in-process from vLLM's config and the rank
 kvtier layout of its pages, instead of opening a store of its own. The service derives every
 key from that identity, so ranks, models and page formats never meet, as in-process.
 
-Data path: one copy each way between the pages' gather/scatter buffer and the service's host
-tier, as in-process. With the service's arena data path (``data = "arena"``, its default) the
-buffer is the rank's own and the client copies straight between it and the shared arena, on
-this process's threads; with the staging path (``data = "staging"``, or a client that does not
-map the arena) ``StagingPageMover`` gathers a save's pages straight into the client's shared
-staging region (``ServiceClient.buffer``) and a load lands there, so the service makes the one
-copy and nothing is copied twice. A transfer larger than the region, or one made while the
-service is unreachable, uses a private buffer (the client then copies through the region in
-chunks, or serves a miss).
+Data path: the rank's page mover gathers into (and scatters from) its own host buffers, as
+in-process, and the client moves them with one copy each way: straight into and out of the
+service's shared host arena with the service's default ``data = "arena"`` (on this process's
+threads, with the host tier's fused copy + checksum), or through the session's staging region
+with ``data = "staging"`` (a second copy, by the service). The staging region's own buffer
+(``ServiceClient.buffer``) is not used for pages: the worker holds several loads' and saves'
+buffers at once (a step's loads are scattered together; async saves queue), and the region
+holds one transfer.
 
 Failure: the client's calls are bounded by ``[service] timeout``; a service that is down,
 restarting or stalled makes loads misses (vLLM recomputes) and saves no-ops, never a failed
@@ -28,12 +27,10 @@ import logging
 from typing import Any
 
 import numpy as np
-import torch
 
 from kvtier.errors import ConfigError, LayoutError
 from kvtier.identity import Identity
 from kvtier.integrations.vllm.backend import Lease, Scope
-from kvtier.integrations.vllm.pages import PageLayout, PageMover
 from kvtier.layout import KVLayout
 
 log = logging.getLogger("kvtier.vllm")
@@ -121,48 +118,20 @@ class ServiceBackend:
         self.client.close()
 
 
-class StagingPageMover(PageMover):
-    """A ``PageMover`` whose buffers are views of the client's shared staging region when the
-    session moves KV through it (so the service reads a gathered save, and fills a load, in
-    place), and private when the client copies to the arena itself. Not thread-safe (the model
-    runner's thread only), like ``PageMover``; a buffer is valid until the next transfer."""
-
-    def __init__(self, kv_caches: list[torch.Tensor], layout: PageLayout, client: Any) -> None:
-        super().__init__(kv_caches, layout)
-        self._client = client
-
-    def buffer(self, n_pages: int) -> torch.Tensor:
-        """``n_pages`` pages of every layer: in the shared region on the staging data path
-        (a private buffer on the arena path, when the service is unreachable, or when the
-        region is too small for them)."""
-        lay = self.layout
-        if self._client.data_path == "arena":  # the client copies straight to the arena
-            return super().buffer(n_pages)
-        try:
-            arr = self._client.buffer(n_pages * lay.page_tokens)
-        except ConfigError:
-            return super().buffer(n_pages)
-        t = torch.from_numpy(arr)
-        if t.dtype != lay.dtype:  # bf16 / fp8 travel as same-width integer carriers
-            t = t.view(lay.dtype)
-        return t.view(lay.layers, n_pages, *lay.page_shape)
-
-
 def open_service(
     url: str,
     identity: Identity,
     layout: KVLayout,
-    kv_caches: list[torch.Tensor],
-    pages: PageLayout,
     *,
     timeout: float,
     name: str,
     tenant: str = "",
     direct: bool = True,
-) -> tuple[ServiceBackend, StagingPageMover]:
-    """One rank's backend over the service at ``url`` and its page mover (see the module;
-    ``direct=False``: never map the service's arena, every transfer through staging)."""
-    client = connect_rank(
-        url, identity, layout, timeout=timeout, name=name, tenant=tenant, direct=direct
+) -> ServiceBackend:
+    """One rank's backend over the service at ``url`` (see the module; ``direct=False``:
+    never map the service's arena, every transfer through the staging region)."""
+    return ServiceBackend(
+        connect_rank(
+            url, identity, layout, timeout=timeout, name=name, tenant=tenant, direct=direct
+        )
     )
-    return ServiceBackend(client), StagingPageMover(kv_caches, pages, client)

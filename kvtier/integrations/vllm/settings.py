@@ -11,6 +11,9 @@
 - ``lookup_timeout_ms``: how long the scheduler waits for a rank's lookup answer (default 500);
   no answer in time is a miss (0 tokens), never a stall. In service mode it bounds each of the
   scheduler's calls to the service.
+- ``async_save``: store saves on a background thread after their copy (default: on CUDA
+  only; see ``worker``); ``save_queue_bytes``: the staging memory pending async saves may hold
+  (default 1GiB; a save beyond it is dropped, a later miss).
 
 The KV layout is vLLM's, not the config's: ``layers``, ``kv_heads``, ``head_dim``,
 ``kv_factor``, ``dtype`` and ``model`` (a preset) are refused with a ``ConfigError`` naming the
@@ -37,7 +40,18 @@ if TYPE_CHECKING:
     from kvtier.service.config import ServiceConfig
 
 DEFAULT_LOOKUP_TIMEOUT_MS = 500
-_EXTRA_KEYS = frozenset({"kvtier_config", "store", "tiers", "service", "lookup_timeout_ms"})
+_EXTRA_KEYS = frozenset(
+    {
+        "kvtier_config",
+        "store",
+        "tiers",
+        "service",
+        "lookup_timeout_ms",
+        "async_save",
+        "save_queue_bytes",
+    }
+)
+DEFAULT_SAVE_QUEUE_BYTES = 1 << 30
 _TABLES = frozenset({"store", "tiers", "service"})
 _LAYOUT_KEYS = ("layers", "kv_heads", "head_dim", "kv_factor", "dtype", "model")
 
@@ -53,10 +67,18 @@ class ConnectorSettings:
     model_id: str
     lookup_timeout_s: float
     source: str
+    async_save: bool | None = None  # None: on CUDA only
+    save_queue_bytes: int = DEFAULT_SAVE_QUEUE_BYTES
     #: service mode: the node service every rank uses (``None``: a store per rank, in-process)
     service: ServiceConfig | None = None
     #: service mode: the layout keys the config's ``[store]`` gave (the service's layout)
     service_layout: Mapping[str, Any] = field(default_factory=dict)
+
+    def use_async_save(self, cuda: bool) -> bool:
+        """Whether saves are stored off the model runner's thread on this platform (the
+        scheduler and the workers must agree: vLLM frees pages after async saves only when
+        the workers report them)."""
+        return cuda if self.async_save is None else self.async_save
 
     @property
     def tenant(self) -> str:
@@ -143,7 +165,9 @@ def parse_settings(extra: Mapping[str, Any] | None, engine_block_size: int) -> C
     """Read ``kv_connector_extra_config``; ``ConfigError`` naming the setting on bad input."""
     extra = dict(extra or {})
     unknown = sorted(
-        k for k in extra if k.startswith(("kvtier", "lookup")) and k not in _EXTRA_KEYS
+        k
+        for k in extra
+        if k.startswith(("kvtier", "lookup", "async", "save")) and k not in _EXTRA_KEYS
     )
     if unknown:
         raise ConfigError(
@@ -202,8 +226,27 @@ def parse_settings(extra: Mapping[str, Any] | None, engine_block_size: int) -> C
     timeout = parse_int(
         extra.get("lookup_timeout_ms", DEFAULT_LOOKUP_TIMEOUT_MS), "lookup_timeout_ms", 1, 600_000
     )
+    async_save = extra.get("async_save")
+    if async_save == "auto":
+        async_save = None
+    if async_save is not None and not isinstance(async_save, bool):
+        raise ConfigError(f'async_save must be true, false or "auto", got {async_save!r}')
+    queue_bytes = parse_size(
+        extra.get("save_queue_bytes", DEFAULT_SAVE_QUEUE_BYTES), "save_queue_bytes"
+    )
+    if queue_bytes <= 0:
+        raise ConfigError(f"save_queue_bytes must be positive, got {queue_bytes}")
     return ConnectorSettings(
-        raw, bt, engine_block_size, model_id, timeout / 1000.0, source, service, layout_keys
+        raw,
+        bt,
+        engine_block_size,
+        model_id,
+        timeout / 1000.0,
+        source,
+        async_save=async_save,
+        save_queue_bytes=queue_bytes,
+        service=service,
+        service_layout=layout_keys,
     )
 
 
