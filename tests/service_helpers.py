@@ -74,6 +74,7 @@ class ServiceProc:
             f'[store]\nmodel_id = "test/model"\nlayers = {layout.layers}\n'
             f"kv_heads = {layout.kv_heads}\nhead_dim = {layout.head_dim}\n"
             f'block_tokens = {layout.block_tokens}\ndtype = "{layout.dtype}"\n'
+            f"kv_factor = {layout.kv_factor}\n"
             f'{tiers}[service]\nurl = "{self.url}"\nstaging = "{staging}"\n'
             f'lease_ttl = {lease_ttl}\ntimeout = {timeout}\ndata = "{data}"\n'
             + (f'group = "{group}"\n' if group else "")

@@ -46,6 +46,8 @@ BAD = [
     (["--layers", "2"], "--layers applies to --synthetic only; add --synthetic"),
     (["--synthetic", "--sessions", "2"], "--sessions applies to the real-model demo, not"),
     (["--synthetic", "--model", "x"], "--model applies to the real-model demo, not --synthetic"),
+    (["--service"], "--service/--no-service apply to the vLLM demo (engines sharing kvtier"),
+    (["--synthetic", "--no-service"], "--service/--no-service apply to the vLLM demo, not"),
     (["--model", "{nomt}"], "cannot load a causal LM from {nomt}: Unrecognized model"),
     (["--model", "{tmp}/nothing"], "is not a checkpoint directory (no config.json)"),
 ]

@@ -1,4 +1,5 @@
-"""``kvtier demo`` through vLLM (its default when vLLM is installed), small."""
+"""``kvtier demo`` through vLLM (its default when vLLM is installed), small: in-process turns,
+then two engines sharing one ``kvtier serve``."""
 
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ def test_demo_serves_later_turns_from_kvtier_identically(
     assert "(vLLM)" in out and "all 4 turns identical to vLLM alone" in out
     later = [line for line in out.splitlines() if " turn 1:" in line]
     assert len(later) == 2 and all("from kvtier (host" in line for line in later), later
+    # then the other mode: engine B is served what engine A computed, through kvtier serve
+    shared = [line for line in out.splitlines() if ", engine B:" in line]
+    assert len(shared) == 2, out
+    assert all("(computed by engine A; host" in line for line in shared), shared
+    assert "all 2 engine B turns identical to vLLM alone" in out
     assert not (tmp_path / "vllm").exists()
 
 

@@ -17,4 +17,5 @@ BENCHES: dict[str, str] = {
     "mooncake": "kvtier.bench.mooncake",
     "service": "kvtier.bench.service",
     "vllm": "kvtier.bench.vllm",
+    "vllm-service": "kvtier.bench.vllm_service",
 }

@@ -7,7 +7,9 @@ The sessions are served through vLLM with kvtier as its KV connector when vLLM i
 (``kvtier.cli.demo_vllm``), else (or with ``--engine hf``) through a transformers forward pass
 (``kvtier.cli.demo_model``). ``--synthetic`` instead pushes a larger mixed workload
 (chat, document QA, agents, one-offs) with synthetic KV through the store and checks every
-cached prefix against a recomputation (``kvtier.cli.demo_synthetic``).
+cached prefix against a recomputation (``kvtier.cli.demo_synthetic``). The vLLM demo then
+shows the other mode: two vLLM engines sharing one node service, ``kvtier serve``
+(``kvtier.cli.demo_service``; ``--no-service`` skips it). In-process stays the store's default.
 
 Each mode has its own options; one given to the other mode is an error, not silently ignored.
 """
@@ -36,6 +38,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="serve the real-model demo through vLLM (the default when it is installed) or "
         "transformers",
+    )
+    p.add_argument(
+        "--service",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="after the in-process turns, two vLLM engines sharing one node service (kvtier "
+        "serve); on by default with vLLM",
     )
     p.add_argument("--dir", default=".kvtier/demo", help="NVMe tier directory (wiped)")
     p.add_argument("--seed", type=int, default=0)
@@ -66,8 +75,16 @@ def run(args: argparse.Namespace) -> int:
     if args.synthetic or fallback:
         if args.engine is not None:
             raise ConfigError("--engine applies to the real-model demo, not --synthetic")
+        if args.service is not None:
+            raise ConfigError("--service/--no-service apply to the vLLM demo, not --synthetic")
         return demo_synthetic.run(console, args)
     engine = args.engine or ("vllm" if importlib.util.find_spec("vllm") else "hf")
+    if args.service is not None and engine != "vllm":
+        raise ConfigError(
+            "--service/--no-service apply to the vLLM demo (engines sharing kvtier serve); "
+            "drop it or use --engine vllm"
+        )
+    args.service = engine == "vllm" and args.service is not False
     if engine == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError("--engine vllm: vLLM is not installed (scripts/setup.sh installs it)")

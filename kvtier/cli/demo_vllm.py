@@ -9,7 +9,8 @@ directory). Before every turn both engines' own prefix caches are reset -- as if
 evicted the conversation, which is what happens to an idle session on a busy server -- so the
 engine alone recomputes the prompt and the kvtier engine loads what kvtier holds. Each turn
 prints both times to first token, how many tokens kvtier served and from which tier, and
-whether the generated tokens were identical.
+whether the generated tokens were identical. Then (unless ``--no-service``) the other mode: two
+engines sharing one node service, against the same engine alone (``kvtier.cli.demo_service``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from kvtier.cli import demo_model
+from kvtier.cli import demo_model, demo_service
 from kvtier.errors import ConfigError
 
 #: the page size vLLM's CPU backend is run with here; kvtier blocks are whole pages
@@ -57,7 +58,7 @@ def _block_bytes(model: Path, block_tokens: int) -> int:
     return int(cfg["num_hidden_layers"]) * 2 * heads * dim * 2 * block_tokens  # bf16
 
 
-def _engine(model: Path, kv: dict[str, Any] | None, max_len: int) -> Any:
+def engine(model: Path, kv: dict[str, Any] | None, max_len: int) -> Any:
     from vllm import LLM
 
     from kvtier.integrations.vllm import transfer_config
@@ -78,7 +79,7 @@ def _engine(model: Path, kv: dict[str, Any] | None, max_len: int) -> Any:
     )
 
 
-def _turn(llm: Any, prompt: list[int], new_tokens: int) -> tuple[float, list[int], int]:
+def timed_turn(llm: Any, prompt: list[int], new_tokens: int) -> tuple[float, list[int], int]:
     """(wall seconds of a one-token request = TTFT, the turn's tokens, cached prompt tokens)."""
     from vllm import SamplingParams
 
@@ -143,7 +144,8 @@ def _sessions(console: Console, args: argparse.Namespace, work: Path, block_toke
         system + rng.integers(0, vocab, args.doc_tokens + int(rng.integers(0, 64))).tolist()
         for _ in range(args.sessions)
     ]
-    max_len = max(len(c) for c in convs) + args.turns * (90 + args.new_tokens) + 8
+    turns = args.turns + (2 if args.service else 0)  # the service part: 2 more per session
+    max_len = max(len(c) for c in convs) + turns * (90 + args.new_tokens) + 8
     console.print(
         f"[bold]kvtier demo[/] (vLLM): {args.sessions} sessions x {args.turns} turns, model "
         f"{args.model or 'random Llama 8L/256'}; kvtier host {args.host_blocks} blocks over NVMe "
@@ -155,16 +157,16 @@ def _sessions(console: Console, args: argparse.Namespace, work: Path, block_toke
     t_kv = t_plain = 0.0
     reused = prompt_total = 0
     try:
-        plain, llm = _engine(model, None, max_len), _engine(model, kv, max_len)
+        plain, llm = engine(model, None, max_len), engine(model, kv, max_len)
         for e in (plain, llm):  # warm-up: first-call set-up is nobody's TTFT
-            _turn(e, system, 1)
+            timed_turn(e, system, 1)
         hits = _tier_hits(llm)
         for turn in range(args.turns):
             for s in range(args.sessions):
                 conv = convs[s]
                 conv += rng.integers(0, vocab, int(rng.integers(40, 90))).tolist()
                 order = [(plain, False), (llm, True)][:: 1 if (turn + s) % 2 else -1]
-                res = {kv_on: _turn(e, conv, args.new_tokens) for e, kv_on in order}
+                res = {kv_on: timed_turn(e, conv, args.new_tokens) for e, kv_on in order}
                 (tk, got, cached), (tp, ref, _) = res[True], res[False]
                 now = _tier_hits(llm)
                 src = {k: v - hits.get(k, 0) for k, v in now.items() if v - hits.get(k, 0)}
@@ -182,7 +184,7 @@ def _sessions(console: Console, args: argparse.Namespace, work: Path, block_toke
                 )
                 conv += got
     finally:
-        for e in (plain, llm):
+        for e in (llm,) if args.service else (plain, llm):  # --service: vLLM alone goes on
             if e is not None:
                 e.llm_engine.engine_core.shutdown()
         gc.collect()
@@ -201,6 +203,13 @@ def _sessions(console: Console, args: argparse.Namespace, work: Path, block_toke
     console.print(summary)
     if n_same < n_turns:
         console.print(f"[red]{n_turns - n_same} of {n_turns} turns differed from vLLM alone[/]")
-        return 1
-    console.print(f"all {n_turns} turns identical to vLLM alone", soft_wrap=True)
-    return 0
+    else:
+        console.print(f"all {n_turns} turns identical to vLLM alone", soft_wrap=True)
+    rc = int(n_same < n_turns)
+    if args.service and plain is not None:  # the other mode, against the same vLLM alone
+        try:
+            rc |= demo_service.run(console, args, model, plain, convs, rng, block_tokens, max_len)
+        finally:
+            plain.llm_engine.engine_core.shutdown()
+            gc.collect()
+    return rc

@@ -174,6 +174,11 @@ def load_prefix(
     """
     if min_recompute < 1:
         raise ConfigError(f"min_recompute must be >= 1 (the last logits), got {min_recompute}")
+    if layerwise and not hasattr(store, "load_layers"):
+        raise ConfigError(
+            "layerwise=True streams layers from an in-process store; this store (a kvtier "
+            "service client) loads whole blocks: drop layerwise"
+        )
     layout = store.layout
     hf_cache.check_layout(model, layout)
     hf_cache.check_identity(model, store.identity)

@@ -15,6 +15,11 @@ settings raise ``ConfigError`` from the constructor, so the engine refuses to st
 message naming the setting. The connector is a best-effort cache: a load it cannot deliver is
 recomputed by vLLM (it sets ``kv_load_failure_policy = "recompute"``, the only policy that
 never fails a request for a cache fault).
+
+With a ``[service] url`` in the config (service mode) the ranks use the node service
+(``service_backend``) and the scheduler asks the service itself (``service_lookup``), with the
+identities the ranks registered (vLLM's handshake metadata); otherwise each rank owns a store
+and the scheduler asks the ranks (``lookup_rpc``).
 """
 
 from __future__ import annotations
@@ -39,10 +44,12 @@ from kvtier.integrations.vllm.format import (
 )
 from kvtier.integrations.vllm.identity import engine_identity, model_name
 from kvtier.integrations.vllm.lookup_rpc import LookupClient, LookupServer
-from kvtier.integrations.vllm.metadata import KvtierMetadata
+from kvtier.integrations.vllm.metadata import KvtierMetadata, LoadedRequests, RankHandshake
 from kvtier.integrations.vllm.movers import make_mover
 from kvtier.integrations.vllm.pages import element_dtype, page_layout
 from kvtier.integrations.vllm.scheduler import SchedulerSide
+from kvtier.integrations.vllm.service_backend import open_service
+from kvtier.integrations.vllm.service_lookup import ServiceLookup
 from kvtier.integrations.vllm.settings import ConnectorSettings, parse_settings
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.layout import KVLayout
@@ -134,7 +141,10 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._ranks = int(pc.tensor_parallel_size) * int(pc.pipeline_parallel_size)
         self._sched: SchedulerSide | None = None
         self._client: LookupClient | None = None
+        self._service: ServiceLookup | None = None
         self._worker: WorkerSide | None = None
+        self._handshake: RankHandshake | None = None
+        self._loaded: set[str] = set()  # service mode: requests loaded since the last step
         self._layer_index: dict[str, int] = {}
         check_cache_dtype(str(vllm_config.cache_config.cache_dtype))
         from vllm.platforms import current_platform
@@ -145,28 +155,37 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # check the config against the layout now: the engine refuses to start on a bad one
             layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
             per_token = spec.head_size + getattr(spec, "head_size_v", spec.head_size)
-            self._settings.store_config(
-                KVLayout(
-                    layers,
-                    spec.num_kv_heads,
-                    per_token,
-                    element_dtype(spec.dtype, str(vllm_config.cache_config.cache_dtype)),
-                    1,
-                    self._settings.block_tokens,
-                ),
-                *model_name(vllm_config, self._settings.model_id),
+            layout = KVLayout(
+                layers,
+                spec.num_kv_heads,
+                per_token,
+                element_dtype(spec.dtype, str(vllm_config.cache_config.cache_dtype)),
+                1,
+                self._settings.block_tokens,
             )
+            self._settings.store_config(layout, *model_name(vllm_config, self._settings.model_id))
+            self._settings.check_service_layout(layout)
             if ktc.kv_load_failure_policy != "recompute":
                 log.info(
                     "kvtier: kv_load_failure_policy set to 'recompute' (cache faults recompute)"
                 )
                 ktc.kv_load_failure_policy = "recompute"
-            self._client = LookupClient(
-                self._engine_id, self._ranks, self._settings.lookup_timeout_s
-            )
+            service = self._settings.service
+            if service is not None:  # the ranks' identities arrive with vLLM's handshake
+                self._service = ServiceLookup(
+                    service.url,
+                    self._settings.lookup_timeout_s,
+                    name=f"vllm-scheduler-{self._engine_id}",
+                    tenant=self._settings.tenant,
+                )
+                lookups: Any = self._service
+            else:
+                lookups = self._client = LookupClient(
+                    self._engine_id, self._ranks, self._settings.lookup_timeout_s
+                )
             self._sched = SchedulerSide(
-                self._client.lookup,
-                self._client.lease,
+                lookups.lookup,
+                lookups.lease,
                 self._settings.block_tokens,
                 vllm_config.cache_config.block_size,
                 async_save=self._async_save,
@@ -196,13 +215,23 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._sched is not None
         return self._sched.build(scheduler_output)
 
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """Service mode: every rank's identity and layout, once the ranks registered."""
+        if self._service is not None:
+            self._service.attach(metadata)
+
     def update_connector_output(self, connector_output: Any) -> None:
         if self._sched is not None:
             self._sched.load_failed(set(getattr(connector_output, "invalid_block_ids", ()) or ()))
+        loaded = getattr(connector_output, "kv_connector_worker_meta", None)
+        if self._service is not None and isinstance(loaded, LoadedRequests):
+            self._service.release(loaded.req_ids)
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        if self._service is not None:
+            self._service.release((request.request_id,))
         if self._sched is not None:
             return self._sched.finished(request)
         return False, None
@@ -250,8 +279,22 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         mover = make_mover(caches, pages)
         # the config may name another revision than vLLM's (it names the weights)
-        backend = open_local(sc, replace(ident, revision=sc.identity.revision))
+        ident = replace(ident, revision=sc.identity.revision)
         rank = pp.rank_in_group * tp.world_size + tp.rank_in_group
+        service = self._settings.service
+        backend: Any
+        if service is not None:
+            backend = open_service(
+                service.url,
+                ident,
+                sc.layout,
+                timeout=service.timeout,
+                name=f"vllm-{self._engine_id}-rank{rank}",
+                tenant=self._settings.tenant,
+            )
+            self._handshake = RankHandshake(ident, sc.layout)
+        else:
+            backend = open_local(sc, ident)
         # per-layer waits only where every attention layer runs its Python hooks (eager):
         # a CUDA graph replays the forward without them
         eager = bool(mc.enforce_eager) or str(
@@ -275,7 +318,11 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 lambda: {**worker.stats(), "engine_tag": tag},
             )
         )
-        log.info("kvtier: rank %d store ready (%s)", rank, ident.engine_tag)
+        where = f"uses kvtier serve at {service.url}" if service else "store ready"
+        log.info("kvtier: rank %d %s (%s)", rank, where, ident.engine_tag)
+
+    def get_handshake_metadata(self) -> RankHandshake | None:
+        return self._handshake  # service mode: what the scheduler looks up under
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         if self._worker is not None and isinstance(kv_connector_metadata, KvtierMetadata):
@@ -285,6 +332,15 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = self._get_connector_metadata()
         if self._worker is not None and isinstance(meta, KvtierMetadata):
             self._worker.load(meta)
+            if self._handshake is not None:
+                self._loaded.update(op.req_id for op in meta.loads)
+
+    def build_connector_worker_meta(self) -> LoadedRequests | None:
+        """Service mode: the requests this step loaded (the scheduler holds their leases)."""
+        if not self._loaded:
+            return None
+        done, self._loaded = frozenset(self._loaded), set()
+        return LoadedRequests(done)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._worker is not None and self._worker.layerwise:
@@ -322,6 +378,9 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._client is not None:
             self._client.close()
             self._client = None
+        if self._service is not None:
+            self._service.close()
+            self._service = None
 
 
 def transfer_config(kvtier_config: Any, **extra: Any) -> Any:

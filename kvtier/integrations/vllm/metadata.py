@@ -1,4 +1,10 @@
-"""What the scheduler side tells the worker side each step (pickled by vLLM to every rank)."""
+"""What the connector's sides tell each other (pickled by vLLM between its processes).
+
+- ``KvtierMetadata``: scheduler -> every rank, each step (the loads and saves).
+- service mode only: ``RankHandshake``, rank -> scheduler once at start (the identity and layout
+  the rank registered with the service, so the scheduler looks up under exactly those), and
+  ``LoadedRequests``, ranks -> scheduler each step (whose loads are done: their leases go).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +12,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
+from kvtier.identity import Identity
 from kvtier.integrations.vllm.backend import Scope
+from kvtier.layout import KVLayout
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,3 +50,24 @@ class KvtierMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[PageOp] = field(default_factory=list)
     saves: list[PageOp] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class RankHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
+    """Service mode: one rank's registration with the service (its ``Identity`` and layout)."""
+
+    identity: Identity
+    layout: KVLayout
+
+
+@dataclass(frozen=True)
+class LoadedRequests(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """Service mode: requests whose loads a step ran (on every rank, once vLLM aggregated
+    the step's outputs), so the scheduler can release their leases."""
+
+    req_ids: frozenset[str] = frozenset()
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, LoadedRequests):
+            return self
+        return LoadedRequests(self.req_ids | other.req_ids)

@@ -4,15 +4,22 @@
 
 - ``kvtier_config``: a kvtier TOML path, or the same tables inline (``{"store": {...},
   "tiers": [...]}``). ``store``/``tiers`` given beside it override the file's.
+- ``service``: a ``[service]`` table (``{"url": "unix:///run/kvtier/kvtier.sock"}``); its keys
+  override the file's. A ``[service] url`` (here or in the file) means service mode: every rank
+  uses the node service there (``kvtier serve``) instead of a store of its own
+  (``service_backend``); ``[[tiers]]`` are then the service's business and are not opened.
 - ``lookup_timeout_ms``: how long the scheduler waits for a rank's lookup answer (default 500);
-  no answer in time is a miss (0 tokens), never a stall.
+  no answer in time is a miss (0 tokens), never a stall. In service mode it bounds each of the
+  scheduler's calls to the service.
 - ``async_save``: store saves on a background thread after their copy (default: on CUDA
   only; see ``worker``); ``save_queue_bytes``: the staging memory pending async saves may hold
   (default 1GiB; a save beyond it is dropped, a later miss).
 
 The KV layout is vLLM's, not the config's: ``layers``, ``kv_heads``, ``head_dim``,
 ``kv_factor``, ``dtype`` and ``model`` (a preset) are refused with a ``ConfigError`` naming the
-key. ``model_id`` names the weights when given (otherwise vLLM's model path/name does).
+key -- except in service mode, where the file may be the one ``kvtier serve`` reads: layout keys
+there describe the service's blocks and are checked against vLLM's (``check_service_layout``).
+``model_id`` names the weights when given (otherwise vLLM's model path/name does).
 ``block_tokens`` must be a multiple of vLLM's ``block_size`` (default: the smallest multiple
 of it that is at least kvtier's default block).
 """
@@ -23,17 +30,29 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.config import StoreConfig, parse_int, parse_size
-from kvtier.errors import ConfigError
-from kvtier.layout import DEFAULT_BLOCK_TOKENS, KVLayout
+from kvtier.errors import ConfigError, LayoutError
+from kvtier.layout import DEFAULT_BLOCK_TOKENS, KVLayout, canonical_dtype
+
+if TYPE_CHECKING:
+    from kvtier.service.config import ServiceConfig
 
 DEFAULT_LOOKUP_TIMEOUT_MS = 500
 _EXTRA_KEYS = frozenset(
-    {"kvtier_config", "store", "tiers", "lookup_timeout_ms", "async_save", "save_queue_bytes"}
+    {
+        "kvtier_config",
+        "store",
+        "tiers",
+        "service",
+        "lookup_timeout_ms",
+        "async_save",
+        "save_queue_bytes",
+    }
 )
 DEFAULT_SAVE_QUEUE_BYTES = 1 << 30
+_TABLES = frozenset({"store", "tiers", "service"})
 _LAYOUT_KEYS = ("layers", "kv_heads", "head_dim", "kv_factor", "dtype", "model")
 
 
@@ -50,12 +69,54 @@ class ConnectorSettings:
     source: str
     async_save: bool | None = None  # None: on CUDA only
     save_queue_bytes: int = DEFAULT_SAVE_QUEUE_BYTES
+    #: service mode: the node service every rank uses (``None``: a store per rank, in-process)
+    service: ServiceConfig | None = None
+    #: service mode: the layout keys the config's ``[store]`` gave (the service's layout)
+    service_layout: Mapping[str, Any] = field(default_factory=dict)
 
     def use_async_save(self, cuda: bool) -> bool:
         """Whether saves are stored off the model runner's thread on this platform (the
         scheduler and the workers must agree: vLLM frees pages after async saves only when
         the workers report them)."""
         return cuda if self.async_save is None else self.async_save
+
+    @property
+    def tenant(self) -> str:
+        """``[store] tenant`` ("": the store's default, or the service's)."""
+        value = self.raw.get("store", {}).get("tenant", "")
+        return value if isinstance(value, str) else ""
+
+    def check_service_layout(self, layout: KVLayout) -> None:
+        """Service mode: ``ConfigError`` if the config's ``[store]`` layout keys (the service's
+        blocks, when the engine shares ``kvtier serve``'s file) do not describe vLLM's
+        ``layout``; no keys, nothing to check (the service checks at connect)."""
+        given = dict(self.service_layout)
+        if not given:
+            return
+        want = {
+            "layers": layout.layers,
+            "kv_heads": layout.kv_heads,
+            "head_dim": layout.head_dim,
+            "kv_factor": layout.kv_factor,
+            "dtype": layout.dtype,
+        }
+        try:
+            if "dtype" in given:
+                given["dtype"] = canonical_dtype(str(given["dtype"]))
+        except LayoutError as exc:
+            raise ConfigError(f"{self.source}: [store] dtype: {exc}") from None
+        wrong = [
+            f"{k} = {given[k]!r} (vLLM: {want[k]!r})"
+            for k in want
+            if k in given and given[k] != want[k]
+        ]
+        if "model" in given or wrong:
+            lines = ", ".join(f"{k} = {v!r}" for k, v in want.items())
+            raise ConfigError(
+                f"{self.source}: the service's [store] layout does not match this vLLM "
+                f"engine's pages ({'; '.join(wrong) or 'a model preset'}); the service needs "
+                f"[store] {lines}, block_tokens = {self.block_tokens}"
+            )
 
     def store_config(self, layout: KVLayout, model_id: str, revision: str = "") -> StoreConfig:
         """The ``StoreConfig`` for ``layout`` (vLLM's) and the weights' name; ``ConfigError``
@@ -126,15 +187,20 @@ def parse_settings(extra: Mapping[str, Any] | None, engine_block_size: int) -> C
             f"kvtier_config: expected a TOML path or a table of store/tiers, got "
             f"{type(given).__name__}"
         )
-    if not isinstance(raw, dict) or not set(raw) <= {"store", "tiers"}:
-        raise ConfigError(f"{source}: a kvtier config has [store] and [[tiers]] only")
-    if "store" in extra:
-        raw["store"] = {**dict(raw.get("store", {})), **dict(extra["store"])}
+    if not isinstance(raw, dict) or not set(raw) <= _TABLES:
+        raise ConfigError(f"{source}: a kvtier config has [store], [[tiers]] and [service] only")
+    for table in ("store", "service"):
+        if table in extra:
+            if not isinstance(extra[table], Mapping):
+                raise ConfigError(f"kv_connector_extra_config: {table} must be a table")
+            raw[table] = {**dict(raw.get(table, {})), **dict(extra[table])}
     if "tiers" in extra:
         raw["tiers"] = list(extra["tiers"])
     store = raw.setdefault("store", {})
     if not isinstance(store, dict):
         raise ConfigError(f"{source}: [store] must be a table, got {store!r}")
+    service = _service(raw, source)
+    layout_keys = {k: store.pop(k) for k in _LAYOUT_KEYS if service and k in store}
     for key in _LAYOUT_KEYS:
         if key in store:
             hint = "; name the weights with model_id" if key == "model" else ""
@@ -171,5 +237,34 @@ def parse_settings(extra: Mapping[str, Any] | None, engine_block_size: int) -> C
     if queue_bytes <= 0:
         raise ConfigError(f"save_queue_bytes must be positive, got {queue_bytes}")
     return ConnectorSettings(
-        raw, bt, engine_block_size, model_id, timeout / 1000.0, source, async_save, queue_bytes
+        raw,
+        bt,
+        engine_block_size,
+        model_id,
+        timeout / 1000.0,
+        source,
+        async_save=async_save,
+        save_queue_bytes=queue_bytes,
+        service=service,
+        service_layout=layout_keys,
     )
+
+
+def _service(raw: Mapping[str, Any], source: str) -> ServiceConfig | None:
+    """The validated ``[service]`` table when it names a url (service mode), else ``None``."""
+    table = raw.get("service", {})
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"{source}: [service] must be a table, got {table!r}")
+    if not table.get("url"):
+        return None
+    try:
+        from kvtier.service.config import ServiceConfig
+    except ImportError as exc:  # pragma: no cover - the service extra is missing
+        raise ConfigError(
+            f"{source}: [service] url needs the service extra: pip install 'kvtier[service]' "
+            f"({exc})"
+        ) from None
+    try:
+        return ServiceConfig.from_dict(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
