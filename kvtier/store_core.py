@@ -201,7 +201,9 @@ class StoreCore:
             coming = dec.evicting[0]
             if idx.free(0) + coming < n:
                 fit, victims = idx.plan_room_up_to(0, n - coming)
-                n = fit + coming
+                # never more than asked: with other stores' writes pending, free can be
+                # negative and ``fit`` (clamped at 0) would otherwise add room no one made
+                n = min(n, fit + coming)
                 if victims:
                     dec.plan_eviction(0, victims, moves)
             if idx.free(0) >= n:
