@@ -1,6 +1,7 @@
 """kvtier in vLLM beyond one process: tensor parallelism (one store per rank), two engines
 sharing a real redis-server or a real Mooncake Store, and a Redis server that dies mid-run.
-Slow on 2 cores (TP=2 on CPU; two or three engine starts per test)."""
+Slow on 2 cores (two or three engine starts per test): TP=2 and the Redis pair are marked
+slow; the Mooncake pair, the Redis kill and `vllm serve` run in the default suite."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh inst
 
 from tests import vllm_helpers as H
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.timeout(1800)]
 DOC = 1024
 
 
@@ -37,6 +38,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return H.tiny_llama(tmp_path_factory.mktemp("model") / "tiny")
 
 
+@pytest.mark.slow  # ~2 min on 2 cores; rank isolation is also tested in test_vllm_parts
 def test_tensor_parallel_2_each_rank_serves_its_own_heads(model: Path, tmp_path: Path) -> None:
     doc = _tokens(1, DOC)
     p1, p2 = doc + _tokens(2, 30), doc + _tokens(3, 40)
@@ -61,6 +63,7 @@ def test_tensor_parallel_2_each_rank_serves_its_own_heads(model: Path, tmp_path:
         _close(llm)
 
 
+@pytest.mark.slow  # the default suite runs the Mooncake pair and the Redis kill
 def test_two_engines_share_a_prefix_over_redis(model: Path, redis_url: str) -> None:
     doc = _tokens(4, DOC)
     p1, p2 = doc + _tokens(5, 30), doc + _tokens(6, 40)
