@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _engine(model: Path, kv: dict[str, Any] | None, max_len: int, **extra: Any) -> Any:
+def make_engine(model: Path, kv: dict[str, Any] | None, max_len: int, **extra: Any) -> Any:
     from vllm import LLM
 
     from kvtier.integrations.vllm import transfer_config
@@ -84,12 +84,12 @@ def _engine(model: Path, kv: dict[str, Any] | None, max_len: int, **extra: Any) 
     )
 
 
-def _close(llm: Any) -> None:
+def close_engine(llm: Any) -> None:
     llm.llm_engine.engine_core.shutdown()
     gc.collect()
 
 
-def _first(llm: Any, tokens: list[int]) -> tuple[float, tuple[int, float], int]:
+def first_token(llm: Any, tokens: list[int]) -> tuple[float, tuple[int, float], int]:
     """(wall seconds to the first token, (token, logprob), tokens served from a cache)."""
     from vllm import SamplingParams
 
@@ -122,22 +122,22 @@ def _offload(
     """TTFT of ``other`` on vLLM with its own CPU offloading after the documents were served
     and the prefix cache reset (the same protocol as ``host_s``)."""
     try:
-        llm = _engine(model_dir, None, max_len, kv_offloading_size=4.0)
+        llm = make_engine(model_dir, None, max_len, kv_offloading_size=4.0)
     except Exception as exc:  # vLLM refuses its offloading on some platforms (CPU)
         return {"refused": f"{type(exc).__name__}: {exc}"[:300]}
     try:
-        _first(llm, warm)
+        first_token(llm, warm)
         for p in first:
-            _first(llm, p)
+            first_token(llm, p)
         times, hits = [], []
         for p in other:
             llm.reset_prefix_cache()
-            dt, _, cached = _first(llm, p)
+            dt, _, cached = first_token(llm, p)
             times.append(dt)
             hits.append(cached)
         return {"ttft_s": statistics.median(times), "cached_tokens": hits}
     finally:
-        _close(llm)
+        close_engine(llm)
 
 
 def _stats(llm: Any) -> dict[str, Any]:
@@ -225,24 +225,24 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "block_tokens": args.block_tokens,
     }
     warm = rng.integers(10, spec.vocab, 300).tolist()
-    plain, llm = _engine(model_dir, None, max_len), None
+    plain, llm = make_engine(model_dir, None, max_len), None
     try:
-        llm = _engine(model_dir, kv, max_len)
+        llm = make_engine(model_dir, kv, max_len)
         for e in (plain, llm):
-            _first(e, warm)  # the first forward of an engine pays one-time set-up costs
+            first_token(e, warm)  # the first forward of an engine pays one-time set-up costs
         for p in first:
-            _first(llm, p)  # kvtier stores the documents
+            first_token(llm, p)  # kvtier stores the documents
         _settle(llm)
         recompute, host, hits, ref, own, host_load = [], [], [], [], [], []
         identical = True
         for p in other:  # interleaved: both engines see the same machine load
             plain.reset_prefix_cache()
-            dt, tok, _ = _first(plain, p)
+            dt, tok, _ = first_token(plain, p)
             recompute.append(dt)
-            own.append(_first(plain, p)[0])  # vLLM's own prefix cache: the floor
+            own.append(first_token(plain, p)[0])  # vLLM's own prefix cache: the floor
             llm.reset_prefix_cache()
             before = _stats(llm).get("load_s", 0.0)
-            dt, got, cached = _first(llm, p)
+            dt, got, cached = first_token(llm, p)
             host_load.append(_stats(llm).get("load_s", 0.0) - before)
             host.append(dt)
             hits.append(cached)
@@ -262,16 +262,16 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         result["connector_share"] = statistics.median(shares)
         for p in first:
             plain.reset_prefix_cache()
-            dt, tok, _ = _first(plain, p)
+            dt, tok, _ = first_token(plain, p)
             recompute.append(dt)
             ref.append(tok)
-        _close(llm)
-        llm = _engine(model_dir, kv, max_len)  # warm restart over the same NVMe directory
-        _first(llm, warm)  # (in kvtier from the first engine: now served from NVMe)
+        close_engine(llm)
+        llm = make_engine(model_dir, kv, max_len)  # warm restart over the same NVMe directory
+        first_token(llm, warm)  # (in kvtier from the first engine: now served from NVMe)
         nvme, nvme_hits, nvme_load = [], [], []
         for i, p in enumerate(first):
             before = _stats(llm).get("load_s", 0.0)
-            dt, tok, cached = _first(llm, p)
+            dt, tok, cached = first_token(llm, p)
             nvme_load.append(_stats(llm).get("load_s", 0.0) - before)
             nvme.append(dt)
             nvme_hits.append(cached)
@@ -279,7 +279,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         for e in (plain, llm):
             if e is not None:
-                _close(e)
+                close_engine(e)
     if args.offload:
         result["offload"] = _offload(model_dir, max_len, warm, first, other)
     if not args.dir:

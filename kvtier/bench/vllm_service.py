@@ -25,17 +25,17 @@ and include the engine's per-request overhead (scheduling, one decode step).
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from kvtier.bench.vllm import close_engine, first_token, make_engine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,45 +45,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=384)
     parser.add_argument("--block-tokens", type=int, default=256, help="kvtier block_tokens")
-
-
-def _engine(model: Path, kv: dict[str, Any] | None, max_len: int) -> Any:
-    from vllm import LLM
-
-    from kvtier.integrations.vllm import transfer_config
-
-    kw: dict[str, Any] = {}
-    if kv is not None:
-        kw["kv_transfer_config"] = transfer_config(kv)
-    return LLM(
-        model=str(model),
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        block_size=128,
-        kv_cache_memory_bytes=512 << 20,
-        max_model_len=max_len,
-        dtype="bfloat16",
-        seed=0,
-        **kw,
-    )
-
-
-def _close(llm: Any) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    gc.collect()
-
-
-def _first(llm: Any, tokens: list[int]) -> tuple[float, tuple[int, float], int]:
-    """(wall seconds to the first token, (token, logprob), tokens served from a cache)."""
-    from vllm import SamplingParams
-
-    sp = SamplingParams(temperature=0.0, max_tokens=1, logprobs=1, detokenize=False)
-    t0 = time.perf_counter()
-    out = llm.generate([{"prompt_token_ids": tokens}], sp, use_tqdm=False)[0]
-    dt = time.perf_counter() - t0
-    c = out.outputs[0]
-    tok = c.token_ids[0]
-    return dt, (tok, float(c.logprobs[0][tok].logprob)), int(out.num_cached_tokens or 0)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -145,24 +106,24 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     different: list[str] = []  # "<mode> doc <i>" whose first token or logprob differed
     try:
         service.start()
-        plain = _engine(model_dir, None, max_len)
+        plain = make_engine(model_dir, None, max_len)
         engines.append(plain)
-        loc = _engine(model_dir, local, max_len)
+        loc = make_engine(model_dir, local, max_len)
         engines.append(loc)
-        svc = _engine(model_dir, shared, max_len)
+        svc = make_engine(model_dir, shared, max_len)
         engines.append(svc)
         for e in engines:
-            _first(e, warm)  # the first forward of an engine pays one-time set-up costs
+            first_token(e, warm)  # the first forward of an engine pays one-time set-up costs
         for p in first:
-            _first(loc, p)
-            _first(svc, p)
+            first_token(loc, p)
+            first_token(svc, p)
         for i, p in enumerate(other):  # interleaved: every engine sees the same machine load
             plain.reset_prefix_cache()
-            dt, ref, _ = _first(plain, p)
+            dt, ref, _ = first_token(plain, p)
             recompute.append(dt)
             for e, times, name in ((loc, inproc, "inprocess"), (svc, served, "service")):
                 e.reset_prefix_cache()
-                dt, got, cached = _first(e, p)
+                dt, got, cached = first_token(e, p)
                 times.append(dt)
                 hits[name].append(cached)
                 if got != ref:
@@ -170,23 +131,23 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         refs = []
         for p in first:
             plain.reset_prefix_cache()
-            dt, ref, _ = _first(plain, p)
+            dt, ref, _ = first_token(plain, p)
             recompute.append(dt)
             refs.append(ref)
         engines.remove(svc)
-        _close(svc)  # the engine restarts; the service keeps its DRAM
-        svc = _engine(model_dir, shared, max_len)
+        close_engine(svc)  # the engine restarts; the service keeps its DRAM
+        svc = make_engine(model_dir, shared, max_len)
         engines.append(svc)
-        _first(svc, warm)
+        first_token(svc, warm)
         for i, p in enumerate(first):
-            dt, got, cached = _first(svc, p)
+            dt, got, cached = first_token(svc, p)
             restart.append(dt)
             hits["restart"].append(cached)
             if got != refs[i]:
                 different.append(f"restart doc {i}: {got} vs {refs[i]}")
     finally:
         for e in engines:
-            _close(e)
+            close_engine(e)
         service.stop()
         shutil.rmtree(work, ignore_errors=True)
     rec = statistics.median(recompute)
