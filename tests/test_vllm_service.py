@@ -157,6 +157,8 @@ def test_bench_vllm_service_runs_small_and_serves_identically(
 
     rc = main(["bench", "vllm-service", "--json", "--doc", "512", "--docs", "1", "--layers",
                "2", "--hidden", "256"])  # fmt: skip
-    out = json.loads(capsys.readouterr().out)
+    # the result is stdout's last line: under capsys, the engine's in-process log lines reach
+    # the captured sys.stdout too (the CLI moves them off fd 1, which capsys does not read)
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["identical"] is True
     assert out["cached_tokens"] == {"inprocess": [512], "service": [512], "restart": [512]}
