@@ -37,6 +37,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -167,18 +169,25 @@ def _settle(llm: Any, timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the three engines; vLLM's log (its processes write to stdout) goes to stderr, so
-    stdout carries only the result."""
+@contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Send fd 1 to stderr while vLLM runs (its processes log to stdout), so stdout carries
+    only a bench's result."""
     sys.stdout.flush()
     saved = os.dup(1)
     os.dup2(2, 1)
     try:
-        return _run(args)
+        yield
     finally:
         sys.stdout.flush()
         os.dup2(saved, 1)
         os.close(saved)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the three engines, vLLM's log on stderr."""
+    with stdout_to_stderr():
+        return _run(args)
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:

@@ -28,14 +28,13 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvtier.bench.vllm import close_engine, first_token, make_engine
+from kvtier.bench.vllm import close_engine, first_token, make_engine, stdout_to_stderr
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,17 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the service and the engines; vLLM's log (its processes write to stdout) goes to
-    stderr, so stdout carries only the result."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
+    """Run the service and the engines, vLLM's log on stderr."""
+    with stdout_to_stderr():
         return _run(args)
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
