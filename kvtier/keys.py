@@ -163,8 +163,13 @@ def iter_keys(ns: Namespace, tokens: TokenIds) -> Iterator[BlockKey]:
     Lazy: a caller that stops at the first miss pays for the matched blocks plus at most one
     chunk of ``16`` blocks of conversion and one block of hashing.
     """
-    bt = ns.layout.block_tokens
-    parent = ns.root
+    return iter_chain(ns.root, ns.layout.block_tokens, tokens)
+
+
+def iter_chain(root: bytes, bt: int, tokens: TokenIds) -> Iterator[BlockKey]:
+    """``iter_keys`` from a namespace's ``root`` bytes with ``bt``-token blocks (a service's
+    client computes its own keys this way: ``kvtier.service.presence``)."""
+    parent = root
     step = bt * _TOKEN_DTYPE.itemsize
     full = len(tokens) // bt
     sha256 = hashlib.sha256

@@ -195,6 +195,40 @@ def test_another_identity_gets_no_hits(service: ServiceProc, client: ServiceClie
     assert client.lookup(tokens, tenant="bob") == 0  # tenants stay apart too
 
 
+def test_first_block_misses_are_answered_from_the_presence_map(
+    service: ServiceProc, client: ServiceClient
+) -> None:
+    tokens, kv = prompt(20, 4 * BT)
+    other = connect(service.url, timeout=service.timeout, name="other")
+    try:
+        before = other.stats()["store"]["lookups"]
+        assert other.lookup(tokens) == 0 and other.counters["local_misses"] == 1  # no round trip
+        assert client.store(tokens, kv) == 4 * BT
+        # what one client stored, another finds at once: the map never hides a cached block
+        assert other.lookup(tokens) == 4 * BT and other.counters["local_misses"] == 1
+        assert other.lookup(tokens, start=BT) == 4 * BT
+        out = np.zeros_like(kv)
+        assert other.load(tokens, out) == 4 * BT and np.array_equal(out, kv)
+        assert other.lookup(tokens, tenant="bob") == 0  # another scope: its own root, a miss
+        assert other.load(tokens, out, tenant="bob") == 0
+        assert other.counters["local_misses"] == 3
+        stats = other.stats()  # the local misses reach the service's counters
+        assert stats["store"]["lookups"] == before + 4
+        mine = [s for s in stats["service"]["sessions"].values() if s["name"] == "other"]
+        assert mine[0]["ops"]["lookup_local"]["calls"] == 3
+        # evicted: the map forgets it too, so the miss is local again
+        filler, fkv = prompt(21, 64 * BT)
+        assert client.store(filler, fkv) == 64 * BT  # the whole host tier
+        assert other.lookup(tokens) == 0 and other.counters["local_misses"] == 4
+        with pytest.raises(ConfigError):  # a bad scope still raises, asked of the service
+            other.lookup(prompt(22, BT)[0], tenant="")
+    finally:
+        other.close()
+    with connect(service.url, timeout=service.timeout, presence=False) as asks:
+        assert asks.lookup(filler) == 64 * BT and asks.lookup(tokens) == 0
+        assert asks.counters["local_misses"] == 0
+
+
 def test_caller_mistakes_raise_the_same_errors(client: ServiceClient) -> None:
     tokens, kv = prompt(2, 2 * BT)
     with pytest.raises(TokenError):
@@ -517,7 +551,10 @@ def test_bench_host_url_compares_the_service_with_in_process() -> None:
             ratio = out[f"{name}_{kind}_gbps"] / out[f"in_process_{kind}_gbps"]
             assert out[f"{name}_{kind}_vs_in_process"] == pytest.approx(ratio)
     assert out["clients_vs_one"] == pytest.approx(out["2_clients_gbps"] / out["one_client_gbps"])
-    assert 0 < out["service_miss_4k_in_service_us"] < out["service_miss_4k_us"]
+    assert 0 < out["service_miss_4k_in_service_us"] < out["service_miss_4k_asked_us"]
+    assert out["service_ping_vs_zmq_echo"] == pytest.approx(
+        out["service_ping_us"] / out["zmq_echo_us"]
+    )
     assert out["service_ping_us"] > 0 and out["in_process_lookup_128k_ms"] > 0
 
 

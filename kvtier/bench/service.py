@@ -218,10 +218,13 @@ def _lookups(res: dict[str, Any], url: str, args: argparse.Namespace) -> None:
     res["service_lookup_128k_minus_in_process_ms"] = (
         res["service_lookup_128k_ms"] - res["in_process_lookup_128k_ms"]
     )
-    # where a first-block miss goes: the transport's floor (an empty round trip), the
-    # service's own time per call (the counters of a session that did nothing else) and the
-    # rest (the client, and the request's token ids on the wire); all in the same run
-    with connect(url, timeout=60.0, name="bench-miss") as probe:
+    # a first-block miss the service answers (a client without the presence map): the
+    # transport's floor (an empty round trip; and a bare ZeroMQ echo's), the service's own
+    # time per call (the counters of a session that did nothing else) and the rest (the
+    # client, and the request's token ids on the wire); all in the same run
+    res["zmq_echo_us"] = _zmq_echo_us(args.rounds)
+    res["service_ping_vs_zmq_echo"] = res["service_ping_us"] / res["zmq_echo_us"]
+    with connect(url, timeout=60.0, name="bench-miss", presence=False) as probe:
         toks = np.random.default_rng(2).integers(0, 128_000, 4096, dtype=np.int64)
         calls = 500
         miss = 1e6 * best_time(lambda: [probe.lookup(toks) for _ in range(calls)], args.rounds)
@@ -229,9 +232,57 @@ def _lookups(res: dict[str, Any], url: str, args: argparse.Namespace) -> None:
             s for s in probe.stats()["service"]["sessions"].values() if s["name"] == "bench-miss"
         ]
         served = float(mine[0]["ops"]["lookup"]["mean_us"]) if mine else float("nan")
-    res["service_miss_4k_us"] = miss / calls
+    res["service_miss_4k_asked_us"] = miss / calls
     res["service_miss_4k_in_service_us"] = served
     res["service_miss_4k_rest_us"] = miss / calls - served - res["service_ping_us"]
+
+
+def _echo(endpoint: str) -> None:
+    """A bare ZeroMQ ROUTER echoing every message (the bench's transport baseline)."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(endpoint)
+    while True:
+        frames = sock.recv_multipart()
+        sock.send_multipart(frames)
+        if frames[-1] == b"stop":
+            break
+    sock.close(0)
+    ctx.term()
+
+
+def _zmq_echo_us(rounds: int) -> float:
+    """Best mean round trip of a DEALER to a bare ROUTER echo in another process, on a unix
+    socket, one small message at a time (what the service's ``ping`` costs at best)."""
+    import zmq
+
+    d = tempfile.mkdtemp(prefix="kvz", dir="/tmp")
+    endpoint = f"ipc://{d}/echo.sock"
+    proc = mp.get_context("spawn").Process(target=_echo, args=(endpoint,), daemon=True)
+    proc.start()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send(b"hello")  # waits for the echo to bind and answer
+        sock.recv()
+        calls = 500
+
+        def echoes() -> None:
+            for _ in range(calls):
+                sock.send(b"x" * 64)
+                sock.recv()
+
+        return 1e6 * best_time(echoes, rounds) / calls
+    finally:
+        sock.send(b"stop")
+        proc.join(10)
+        sock.close(0)
+        ctx.term()
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

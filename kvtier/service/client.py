@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Hashable, Iterator
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,7 @@ import numpy as np
 from kvtier.config import DEFAULT_WORKERS
 from kvtier.errors import ConfigError, LayoutError
 from kvtier.identity import Identity
-from kvtier.keys import TokenIds
+from kvtier.keys import TokenIds, iter_chain
 from kvtier.kvarray import host_array
 from kvtier.layout import KVLayout
 from kvtier.lease import Lease
@@ -41,13 +42,16 @@ from kvtier.service.staged import load_chunks, store_chunks
 from kvtier.tiers.base import Array
 
 _PROBE_BLOCKS = 16  # a lookup first sends this many blocks' tokens (a miss is cheap)
+_LOCAL_BLOCKS = 16  # the presence map is read for a call starting within this many blocks
+_ROOTS = 4096  # bound on a session's cached key roots (per-request salts are many)
 
 
 class ServiceClient(Connection):
     """A connection to a kvtier service with ``TieredStore``'s API. Use ``connect``.
 
     ``workers``: threads (besides the caller's) copying KV into and out of the shared arena,
-    as an in-process store's transfer engine; ``direct=False`` never maps the arena."""
+    as an in-process store's transfer engine; ``direct=False`` never maps the arena,
+    ``presence=False`` never the presence map."""
 
     def __init__(
         self,
@@ -60,6 +64,7 @@ class ServiceClient(Connection):
         name: str = "",
         direct: bool = True,
         workers: int = DEFAULT_WORKERS,
+        presence: bool = True,
     ) -> None:
         super().__init__(
             url,
@@ -69,6 +74,7 @@ class ServiceClient(Connection):
             timeout=timeout,
             name=name,
             direct=direct,
+            presence=presence,
         )
         self._workers = workers
         self._copier: ArenaCopier | None = None
@@ -117,6 +123,44 @@ class ServiceClient(Connection):
             )
         return link.staging.view(self.layout, 0, tokens)
 
+    def _missed_here(
+        self, toks: TokenIds, tenant: str | None, adapter: str | None, salt: Any, start: int
+    ) -> bool:
+        """True if the block at ``start`` is surely not cached: the service's presence map
+        (``kvtier.service.presence``) counts no key in its slot. Then the call is a miss with
+        no round trip; else (no map, a block far into the prompt, a slot in use) it asks."""
+        link = self.link
+        bt = self.layout.block_tokens
+        first = start // bt
+        if link is None or link.presence is None or first >= _LOCAL_BLOCKS:
+            return False
+        if len(toks) < (first + 1) * bt:
+            return False
+        scope = (tenant, adapter, salt)
+        root = link.roots.get(scope)
+        if root is None:
+            reply = self.call("root", {"tenant": tenant, "adapter": adapter, "salt": salt})
+            if reply is None or self.link is not link:
+                return False
+            root = reply["root"]
+            if len(link.roots) >= _ROOTS:
+                link.roots.clear()
+            link.roots[scope] = root
+        key = next(islice(iter_chain(root, bt, toks), first, None))
+        return not link.presence.may_hold(key)
+
+    def _count_local(self, tenant: str | None, lookup_tokens: int, load_tokens: int) -> None:
+        """A miss served here, reported to the service with the next call (its counters)."""
+        with self.lock:
+            self.counters["local_misses"] += 1
+            row = self._local_misses.setdefault(tenant or self.tenant, [0, 0, 0, 0])
+            if load_tokens:
+                row[2] += 1
+                row[3] += load_tokens
+            else:
+                row[0] += 1
+                row[1] += lookup_tokens
+
     # -- the store API -----------------------------------------------------------------------
     def lookup(
         self,
@@ -134,6 +178,10 @@ class ServiceClient(Connection):
         for converting and sending every token id."""
         toks = TokenIds(tokens)
         self._check_start(start, len(toks))
+        if self._missed_here(toks, tenant, adapter, salt, start):
+            bt = self.layout.block_tokens
+            self._count_local(tenant, (len(toks) // bt) * bt - start, 0)
+            return start
         scope = self._scope(tenant, adapter, salt, start)
         probe = start + _PROBE_BLOCKS * self.layout.block_tokens
         n = len(toks)
@@ -220,6 +268,9 @@ class ServiceClient(Connection):
                 f"{want} tokens of full blocks from {start}; pass a larger out or "
                 f"tokens[:{start + arr.shape[2]}]"
             )
+        if want > 0 and self._missed_here(toks, tenant, adapter, salt, start):
+            self._count_local(tenant, 0, want)
+            return start
         raw = toks.chunk(0, start + want)
         scope = self._scope(tenant, adapter, salt, start)
         with self.lock:
@@ -385,6 +436,7 @@ def connect(
     timeout: float = 5.0,
     name: str = "",
     direct: bool = True,
+    presence: bool = True,
 ) -> ServiceClient:
     """A client of the kvtier service at ``url`` (``unix:///path/kvtier.sock``).
 
@@ -394,7 +446,8 @@ def connect(
     must match the service's (``LayoutError`` otherwise) and lets the client start while the
     service is down (misses until it is up); without it an unreachable service raises
     ``ConfigError``. ``timeout`` bounds every call (seconds). ``direct=False``: never map the
-    service's host arena (every transfer through the staging region).
+    service's host arena (every transfer through the staging region). ``presence=False``:
+    never map its presence map (every lookup asks the service).
     """
     if model_id or revision:
         if identity is not None:
@@ -408,6 +461,7 @@ def connect(
         timeout=timeout,
         name=name,
         direct=direct,
+        presence=presence,
     )
     if not client.connected and layout is None:
         client.close()

@@ -83,6 +83,11 @@ class ServiceConfig:
         return None if self.data != "arena" else self.shm_prefix + "-arena"
 
     @property
+    def presence_path(self) -> str:
+        """Where the index's presence map is named (``kvtier.service.presence``)."""
+        return self.shm_prefix + "-presence"
+
+    @property
     def gid(self) -> int | None:
         """The socket group's id (``None`` for owner-only); ``ConfigError`` if unknown."""
         if not self.group:

@@ -32,6 +32,7 @@ import zmq
 from kvtier.errors import ConfigError, KVTierError, LayoutError
 from kvtier.identity import Identity
 from kvtier.layout import KVLayout
+from kvtier.service.presence import PresenceMap
 from kvtier.service.protocol import VERSION, endpoint, pack, raise_error, socket_path, unpack
 from kvtier.service.staging import Staging
 from kvtier.tiers.shm import SharedMemory
@@ -51,6 +52,9 @@ class Link:
     staging: Staging
     lease_ttl: float
     arena: SharedMemory | None = None
+    presence: PresenceMap | None = None
+    #: key roots of the scopes asked about, by (tenant, adapter, salt) (``None``: the session's)
+    roots: dict[tuple[Any, ...], bytes] = field(default_factory=dict)
     poller: zmq.Poller = field(default_factory=zmq.Poller)  # kept: a poll builds none
 
     def __post_init__(self) -> None:
@@ -61,6 +65,8 @@ class Link:
         self.staging.close()
         if self.arena is not None:
             self.arena.close()
+        if self.presence is not None:
+            self.presence.close()
 
 
 class Connection:
@@ -76,10 +82,13 @@ class Connection:
         timeout: float = 5.0,
         name: str = "",
         direct: bool = True,
+        presence: bool = True,
     ) -> None:
-        """``direct``: map the service's host arena when it offers it (else always stage)."""
+        """``direct``: map the service's host arena when it offers it (else always stage);
+        ``presence``: its presence map (else every lookup is a round trip)."""
         self.url = url
         self.direct = direct
+        self.presence = presence
         self._endpoint = endpoint(url)
         path = socket_path(url)
         if os.path.lexists(path) and not os.access(path, os.W_OK):
@@ -108,7 +117,9 @@ class Connection:
         self._restarted = False  # the last _finish found the session gone and made a new one
         self._last_ok = 0.0
         self._closed = threading.Event()
-        self.counters = {"connects": 0, "timeouts": 0, "down_calls": 0}
+        self.counters = {"connects": 0, "timeouts": 0, "down_calls": 0, "local_misses": 0}
+        #: misses answered from the presence map, by tenant: [lookups, tokens, loads, tokens]
+        self._local_misses: dict[str, list[int]] = {}
         try:
             self._install(self._hello())
         except BaseException:  # a mismatch the caller must fix: nothing left running
@@ -218,6 +229,7 @@ class Connection:
         }
         staging: Staging | None = None
         arena: SharedMemory | None = None
+        presence: PresenceMap | None = None
         try:
             reply = self._roundtrip(sock, req, None, self.timeout)
             if reply is None:
@@ -239,6 +251,7 @@ class Connection:
                 )
             staging = Staging.attach(reply["staging"], reply["staging_bytes"], reply["kv_bytes"])
             arena = self._map_arena(reply)
+            presence = self._map_presence(reply)
             sid = reply["sid"]
             done = self._roundtrip(sock, {"op": "attach", "id": -2, "sid": sid}, None, self.timeout)
             if done is None or "error" in done:
@@ -249,6 +262,8 @@ class Connection:
                 staging.close()
             if arena is not None:
                 arena.close()
+            if presence is not None:
+                presence.close()
             if isinstance(exc, OSError | KeyError | TypeError):
                 log.warning("kvtier service at %s: cannot set up a session: %s", self.url, exc)
                 return None
@@ -256,7 +271,22 @@ class Connection:
         self._layout = layout
         self.tenant = reply["tenant"]
         self.identity = Identity(**reply["identity"])  # what the service keys our blocks by
-        return Link(sock, sid, staging, float(reply["lease_ttl"]), arena)
+        link = Link(sock, sid, staging, float(reply["lease_ttl"]), arena, presence)
+        if presence is not None and isinstance(reply.get("root"), bytes):
+            link.roots[(None, None, None)] = link.roots[(self.tenant, None, None)] = reply["root"]
+        return link
+
+    def _map_presence(self, reply: dict[str, Any]) -> PresenceMap | None:
+        """The service's presence map (``None`` when it offers none, or it cannot be mapped:
+        then every lookup asks the service)."""
+        path = reply.get("presence")
+        if not path or not self.presence:
+            return None
+        try:
+            return PresenceMap.attach(str(path), int(reply["presence_bytes"]))
+        except (OSError, ValueError) as exc:
+            log.warning("kvtier service at %s: cannot map its presence map (%s)", self.url, exc)
+            return None
 
     def _map_arena(self, reply: dict[str, Any]) -> SharedMemory | None:
         """The service's host arena, mapped (arena mode); ``None`` in staging mode or when this
@@ -344,6 +374,9 @@ class Connection:
             self.counters["down_calls"] += 1
             return None
         req = {"op": op, "id": self._request_id(), "sid": link.sid, **fields}
+        if self._local_misses:  # reported with the next call, whatever it is
+            req["lm"] = [[t, *c] for t, c in self._local_misses.items()]
+            self._local_misses = {}
         if (
             tokens is not None
             and len(tokens) >= LONG_TOKEN_BYTES

@@ -7,7 +7,9 @@ context variable), and ``namespace`` -- the one place every store path derives i
 reads it. Outside ``using`` the store's own identity applies (the ``[store]`` model_id).
 
 ``ServiceStore.for_service`` builds it from a config file with, in arena mode, the first host
-tier's arena in named shared memory (``kvtier.service.direct``).
+tier's arena in named shared memory (``kvtier.service.direct``), and -- when no tier is shared
+-- the index's presence map in named shared memory too (``kvtier.service.presence``), so
+clients answer first-block misses themselves.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from kvtier.identity import Identity, Scope
 from kvtier.keys import Namespace
 from kvtier.service.config import ServiceConfig
 from kvtier.service.direct import DirectStore
+from kvtier.service.presence import PresenceEntries, PresenceMap, slots_for
 from kvtier.tiers.host import HostTier
 
 _CALLER: ContextVar[Identity | None] = ContextVar("kvtier_service_identity", default=None)
@@ -47,12 +50,42 @@ class ServiceStore(DirectStore):
             )
         store = cls.from_config(cfg, first=first)
         assert isinstance(store, ServiceStore)
+        if not store._shared:
+            store._watch(service.presence_path, service.gid)
         return store
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._scoped: dict[tuple[Identity, str, str | None, str | bytes | None], Namespace] = {}
         self._scoped_lock = threading.Lock()
+        self.presence: PresenceMap | None = None
+
+    def _watch(self, path: str, gid: int | None) -> None:
+        """Keep a presence map of the index at ``path`` (every key it holds now counts)."""
+        blocks = sum(t.capacity_blocks for t in self.tiers)
+        pmap = PresenceMap.create(path, slots_for(blocks), gid)
+        with self._lock:
+            self._index.entries = PresenceEntries(pmap, self._index.entries.items())
+        self.presence = pmap
+
+    def count_misses(
+        self, tenant: str, lookups: int, lookup_tokens: int, loads: int, load_tokens: int
+    ) -> None:
+        """Misses a client answered itself from the presence map, counted as the store's own
+        lookups and loads would have been (``tenant``: the one the client's namespace has)."""
+        with self._lock:
+            for cnt in self._decider.counted(tenant):
+                cnt.lookups += lookups
+                cnt.lookup_tokens += lookup_tokens
+                cnt.loads += loads
+                cnt.miss_tokens += load_tokens
+
+    def close(self) -> None:
+        super().close()
+        if self.presence is not None:
+            self.presence.unlink()
+            self.presence.close()
+            self.presence = None
 
     @staticmethod
     @contextlib.contextmanager

@@ -140,6 +140,7 @@ class Service:
             "release": self._release,
             "stats": self._stats,
             "ping": lambda s, h, t: {},
+            "root": self._root,
             "attach": self._attach,
             "flush": self._flush,
             "reserve": self._reserve,
@@ -277,6 +278,8 @@ class Service:
             self._reply(peer, {"id": req_id, "error": "session", "message": "unknown session"})
             return
         session.last_seen = time.monotonic()
+        if "lm" in req:  # misses the client answered from the presence map since its last call
+            self._count_local(session, req.pop("lm"))
         handler = self._handlers.get(str(op))
         if handler is None:
             self._reply(peer, {"id": req_id, "error": "ConfigError", "message": f"no op {op!r}"})
@@ -350,6 +353,23 @@ class Service:
                 del self._sessions[sid]
                 s.close()
 
+    def _count_local(self, session: Session, report: Any) -> None:
+        """Count a client's local misses (``[tenant, lookups, lookup tokens, loads, load
+        tokens]`` rows) as the store counts its own lookups and loads."""
+        try:
+            for tenant, lookups, lookup_tokens, loads, load_tokens in report:
+                self.store.count_misses(
+                    str(tenant), int(lookups), int(lookup_tokens), int(loads), int(load_tokens)
+                )
+                session.count(
+                    "lookup_local",
+                    0.0,
+                    int(lookup_tokens) + int(load_tokens),
+                    calls=int(lookups) + int(loads),
+                )
+        except (TypeError, ValueError):
+            log.warning("session %d: dropping a malformed miss report", session.number)
+
     # -- operations ------------------------------------------------------------------------
     def _hello(self, req: dict[str, Any], req_id: int, peer: bytes) -> dict[str, Any]:
         try:
@@ -393,10 +413,16 @@ class Service:
         )
         lay = self.store.layout
         arena = self.store.arena if self.config.data == "arena" else None
+        presence = self.store.presence
+        with ServiceStore.using(identity):
+            root = self.store.namespace(tenant).root
         return {
             "id": req_id,
             "arena": None if arena is None else arena.shm.path,
             "arena_bytes": 0 if arena is None else arena.shm.nbytes,
+            "presence": None if presence is None else presence.shm.path,
+            "presence_bytes": 0 if presence is None else presence.shm.nbytes,
+            "root": root,
             "sid": sid,
             "layout": {
                 "layers": lay.layers,
@@ -478,6 +504,10 @@ class Service:
         return out
 
     # -- direct transfers (arena mode): the client copies, the store decides ----------------
+    def _root(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
+        """The key root of a scope of the session's identity (``kvtier.service.presence``)."""
+        return {"root": self._namespace(req).root}
+
     def _namespace(self, req: dict[str, Any]) -> Namespace:
         return self.store.namespace(req.get("tenant"), req.get("adapter"), req.get("salt"))
 

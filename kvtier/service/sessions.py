@@ -53,10 +53,12 @@ class Session:
     ops: dict[str, OpStats] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def count(self, op: str, seconds: float, tokens: int = 0, nbytes: int = 0) -> None:
+    def count(
+        self, op: str, seconds: float, tokens: int = 0, nbytes: int = 0, calls: int = 1
+    ) -> None:
         with self.lock:
             s = self.ops.setdefault(op, OpStats())
-            s.calls += 1
+            s.calls += calls
             s.tokens += tokens
             s.bytes += nbytes
             s.seconds += seconds
