@@ -123,31 +123,32 @@ class ServiceClient(Connection):
             )
         return link.staging.view(self.layout, 0, tokens)
 
-    def _missed_here(
+    def _present(
         self, toks: TokenIds, tenant: str | None, adapter: str | None, salt: Any, start: int
-    ) -> bool:
-        """True if the block at ``start`` is surely not cached: the service's presence map
-        (``kvtier.service.presence``) counts no key in its slot. Then the call is a miss with
-        no round trip; else (no map, a block far into the prompt, a slot in use) it asks."""
+    ) -> bool | None:
+        """What the service's presence map (``kvtier.service.presence``) says of the block at
+        ``start``: ``False`` if it is surely not cached (no key counts in its slot: the call is
+        a miss with no round trip), ``True`` if it may be, ``None`` if the map was not read
+        (none offered, a block far into the prompt, no full block there)."""
         link = self.link
         bt = self.layout.block_tokens
         first = start // bt
         if link is None or link.presence is None or first >= _LOCAL_BLOCKS:
-            return False
+            return None
         if len(toks) < (first + 1) * bt:
-            return False
+            return None
         scope = (tenant, adapter, salt)
         root = link.roots.get(scope)
         if root is None:
             reply = self.call("root", {"tenant": tenant, "adapter": adapter, "salt": salt})
             if reply is None or self.link is not link:
-                return False
+                return None
             root = reply["root"]
             if len(link.roots) >= _ROOTS:
                 link.roots.clear()
             link.roots[scope] = root
         key = next(islice(iter_chain(root, bt, toks), first, None))
-        return not link.presence.may_hold(key)
+        return link.presence.may_hold(key)
 
     def _count_local(self, tenant: str | None, lookup_tokens: int, load_tokens: int) -> None:
         """A miss served here, reported to the service with the next call (its counters)."""
@@ -173,19 +174,21 @@ class ServiceClient(Connection):
     ) -> int:
         """As ``TieredStore.lookup``; ``start`` when the service is unreachable.
 
-        A long prompt is asked about in two steps: its first ``_PROBE_BLOCKS`` blocks after
-        ``start``, then (only if they are all cached) the whole prompt, so a miss does not pay
-        for converting and sending every token id."""
+        A first block the presence map says is not cached is a miss answered here. Without
+        the map, a long prompt is asked about in two steps: its first ``_PROBE_BLOCKS`` blocks
+        after ``start``, then (only if they are all cached) the whole prompt, so a miss does not
+        pay for converting and sending every token id."""
         toks = TokenIds(tokens)
         self._check_start(start, len(toks))
-        if self._missed_here(toks, tenant, adapter, salt, start):
+        present = self._present(toks, tenant, adapter, salt, start)
+        if present is False:
             bt = self.layout.block_tokens
             self._count_local(tenant, (len(toks) // bt) * bt - start, 0)
             return start
         scope = self._scope(tenant, adapter, salt, start)
         probe = start + _PROBE_BLOCKS * self.layout.block_tokens
         n = len(toks)
-        if n > probe:
+        if n > probe and present is None:
             reply = self._ask("lookup", scope, tokens, toks, probe)
             if reply is None or int(reply["end"]) < probe:
                 return start if reply is None else int(reply["end"])
@@ -268,7 +271,7 @@ class ServiceClient(Connection):
                 f"{want} tokens of full blocks from {start}; pass a larger out or "
                 f"tokens[:{start + arr.shape[2]}]"
             )
-        if want > 0 and self._missed_here(toks, tenant, adapter, salt, start):
+        if want > 0 and self._present(toks, tenant, adapter, salt, start) is False:
             self._count_local(tenant, 0, want)
             return start
         raw = toks.chunk(0, start + want)
