@@ -9,7 +9,8 @@ Example (``kvtier.toml``)::
     dtype = "bf16"
     block_tokens = 256
     tenant = "default"
-    policy = "auto"             # the default; or "s3fifo", "lru"
+    policy = "auto"             # the default; or "s3fifo", "lru" (a [[tiers]] table may
+                                # name its own: policy = "lru")
     workers = 2
     metrics_port = 0            # >0 serves Prometheus metrics on 127.0.0.1:<port>
 
@@ -38,7 +39,7 @@ import math
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,7 @@ from typing import Any
 from kvtier.errors import ConfigError
 from kvtier.identity import Identity, check_share_groups
 from kvtier.layout import DEFAULT_BLOCK_TOKENS, KVLayout, canonical_dtype, preset
-from kvtier.policy import DEFAULT_POLICY, POLICIES, REMOVED
+from kvtier.policy import DEFAULT_POLICY, POLICIES, REMOVED, EvictionPolicy, make_policy
 
 # decimal (k, kb = 10**3, m, mb, ...) and binary (kib = 2**10, mib, ...) units, any case
 _UNITS = {"": 1, "b": 1} | {
@@ -151,6 +152,17 @@ _ENGINE_KEYS = {"policy", "workers", "metrics_port", "demote_queue"}
 _STORE_KEYS = _LAYOUT_KEYS | _NAMESPACE_KEYS | _ENGINE_KEYS
 
 
+def _policy_name(value: object, what: str) -> str:
+    """A policy name (``kvtier.policy.POLICIES``), or a ``ConfigError`` saying what to use."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{what}: a policy name (a string), got {value!r}")
+    if value.lower() in REMOVED:
+        raise ConfigError(f"{what}: policy {value!r} was removed; use {REMOVED[value.lower()]}")
+    if value.lower() not in POLICIES:
+        raise ConfigError(f"{what}: unknown policy {value!r}; choose {', '.join(POLICIES)}")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
     """Validated store configuration. ``tiers`` are raw per-tier tables, validated by each kind."""
@@ -165,6 +177,17 @@ class StoreConfig:
     metrics_port: int = 0
     demote_queue: int = DEFAULT_DEMOTE_QUEUE
     tiers: tuple[Mapping[str, Any], ...] = ()
+    #: a ``policy`` key of a ``[[tiers]]`` table, per tier (``None``: ``policy``); empty when
+    #: no table has one
+    tier_policies: tuple[str | None, ...] = ()
+
+    def policy_source(self) -> str | Callable[[int, int], EvictionPolicy[Any]]:
+        """What ``TieredStore(policy=...)`` takes: the store's policy name, or, where a tier
+        names its own, a factory of each tier's policy from (tier, capacity in blocks)."""
+        if not self.tier_policies:
+            return self.policy
+        names = [p or self.policy for p in self.tier_policies]
+        return lambda t, capacity: make_policy(names[t], capacity)
 
     @staticmethod
     def from_dict(raw: Mapping[str, Any], env: Mapping[str, str] | None = None) -> StoreConfig:
@@ -195,15 +218,13 @@ class StoreConfig:
                 raise ConfigError(
                     f'[[tiers]] #{i} needs kind = "host" (a string), got {t.get("kind")!r}'
                 )
-        policy = s.text("policy", DEFAULT_POLICY)
-        if policy.lower() in REMOVED:
-            raise ConfigError(
-                f"{s.what('policy')}: policy {policy!r} was removed; use {REMOVED[policy.lower()]}"
-            )
-        if policy.lower() not in POLICIES:
-            raise ConfigError(
-                f"{s.what('policy')}: unknown policy {policy!r}; choose {', '.join(POLICIES)}"
-            )
+        policy = _policy_name(s.text("policy", DEFAULT_POLICY), s.what("policy"))
+        tier_policies = tuple(
+            None
+            if t.get("policy") is None
+            else _policy_name(t.pop("policy"), f"[[tiers]] #{i} ({t['kind']}) policy")
+            for i, t in enumerate(tiers)
+        )
         layout = _layout_from(s)
         groups = check_share_groups(s.values.get("share_groups", {}), s.what("share_groups"))
         engine = {
@@ -229,6 +250,7 @@ class StoreConfig:
             identity=identity,
             share_groups=groups,
             tiers=tuple(tiers),
+            tier_policies=tier_policies if any(tier_policies) else (),
             **engine,  # type: ignore[arg-type]
         )
 

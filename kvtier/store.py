@@ -80,12 +80,19 @@ class TieredStore(ReadPath):
         if first is not None:
             tiers.insert(0, first)
         try:
+            for i, name in enumerate(cfg.tier_policies):
+                if name and (tiers[i].shared or not tiers[i].capacity_blocks):
+                    raise ConfigError(
+                        f"[[tiers]] #{i} ({tiers[i].name}) policy = {name!r}: this tier evicts "
+                        "on its own (shared or unbounded), kvtier chooses no victims there; "
+                        "remove the key"
+                    )
             return cls(
                 cfg.layout,
                 tiers,
                 identity=cfg.identity,
                 tenant=cfg.tenant,
-                policy=cfg.policy,
+                policy=cfg.policy_source(),
                 workers=cfg.workers,
                 secret=cfg.secret,
                 share_groups=cfg.share_groups,
@@ -423,7 +430,7 @@ class TieredStore(ReadPath):
             store["indexed_blocks"] = len(self._index.entries)
             store["pending_jobs"] = self._engine.pending
             policies = {
-                t.name: pol.describe()
+                t.name: {"policy": pol.name, **pol.describe()}
                 for t, pol in zip(self.tiers, self._index.policies, strict=True)
                 if pol is not None
             }

@@ -18,6 +18,7 @@ from kvtier.config import DEFAULT_DEMOTE_QUEUE, DEFAULT_WORKERS
 from kvtier.decider import Decider, Read
 from kvtier.errors import ConfigError, LayoutError
 from kvtier.identity import Identity, Scope, check_share_groups, check_tenant
+from kvtier.index import PolicySource
 from kvtier.keys import BlockKey, Namespace, TokenIds, iter_keys
 from kvtier.layout import KVLayout
 from kvtier.metrics import MeteredTier, enable_prometheus
@@ -55,7 +56,7 @@ class StoreCore:
         model_id: str = "",
         revision: str = "",
         tenant: str = "default",
-        policy: str = DEFAULT_POLICY,
+        policy: PolicySource = DEFAULT_POLICY,
         workers: int = DEFAULT_WORKERS,
         secret: bytes = b"",
         share_groups: Mapping[str, str] | None = None,

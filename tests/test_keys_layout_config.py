@@ -159,6 +159,26 @@ def test_config_naming_a_removed_policy_says_what_to_use() -> None:
         StoreConfig.from_dict(cfg(policy="density"), env={})
 
 
+def test_a_tier_may_name_its_own_policy(tmp_path: Path) -> None:
+    tiers = [
+        {"kind": "host", "capacity": "64KiB", "policy": "lru"},
+        {"kind": "nvme", "capacity": "1MiB", "paths": [str(tmp_path)], "o_direct": "never"},
+    ]
+    raw = {"store": {**STORE, "policy": "s3fifo"}, "tiers": tiers}
+    c = StoreConfig.from_dict(raw, env={})
+    assert c.tier_policies == ("lru", None) and "policy" not in c.tiers[0]
+    with TieredStore.from_config(c) as store:
+        kinds = [p["policy"] for p in store.stats()["policies"].values()]
+    assert kinds == ["lru", "s3fifo"]  # the tier's own, else the store's
+    env = {"KVTIER_TIER1_POLICY": "auto"}
+    assert StoreConfig.from_dict(raw, env=env).tier_policies == ("lru", "auto")
+    assert StoreConfig.from_dict(cfg(), env={}).tier_policies == ()  # none named: the store's
+    with pytest.raises(ConfigError, match=r"\[\[tiers\]\] #0 \(host\) policy: unknown policy"):
+        StoreConfig.from_dict({"store": STORE, "tiers": [{**HOST[0], "policy": "mru"}]}, env={})
+    with pytest.raises(ConfigError, match=r"policy 'density' was removed"):
+        StoreConfig.from_dict({"store": STORE, "tiers": [{**HOST[0], "policy": "density"}]}, {})
+
+
 def test_config_reads_env_strings_as_numbers_and_secrets() -> None:
     env = {"KVTIER_WORKERS": "4", "KVTIER_METRICS_PORT": "0", "KVTIER_SECRET": "s3cret"}
     c = StoreConfig.from_dict(cfg(share_groups={"a": "g"}), env=env)
