@@ -25,7 +25,7 @@ from kvtier.metrics import MeteredTier, enable_prometheus
 from kvtier.moves import Move, StagingPool, run_moves
 from kvtier.policy import DEFAULT_POLICY
 from kvtier.tiers.base import Array, Tier
-from kvtier.transfer import Job, TransferEngine
+from kvtier.transfer import Completion, Job, TransferEngine
 
 log = logging.getLogger(__name__)
 _NAMESPACE_CACHE = 4096  # namespaces kept: a bound, so per-request salts cannot grow it
@@ -195,7 +195,9 @@ class StoreCore:
         """Make room for up to ``n`` blocks in tier 0; return how many fit now (under lock).
 
         Victims already on their way out count as room coming, so a slow demotion is waited
-        for, not answered with more evictions. Pinned blocks limit how many can fit."""
+        for, not answered with more evictions. Victims to drop (nothing to copy) are dropped
+        here, not on the transfer engine: a thread hand-off per store for a table update.
+        Pinned blocks limit how many can fit."""
         idx, dec = self._index, self._decider
         while True:
             moves: list[Move] = []
@@ -207,6 +209,15 @@ class StoreCore:
                 n = min(n, fit + coming)
                 if victims:
                     dec.plan_eviction(0, victims, moves)
+            drops = [m for m in moves if m.src == 0 and m.dst is None]
+            if drops:  # victims with nothing to copy: dropped here, so their room is there now
+                moves = [m for m in moves if not (m.src == 0 and m.dst is None)]
+                self._lock.release()
+                try:
+                    run_moves(self.tiers, drops, self._staging)
+                finally:
+                    self._lock.acquire()
+                dec.apply([Completion(Job("demote", lambda: None, drops))])
             if idx.free(0) >= n:
                 self._lock.release()  # drops need no wait, but must still be carried out
                 try:
