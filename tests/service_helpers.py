@@ -93,7 +93,7 @@ class ServiceProc:
             )
         if wait:
             deadline = time.monotonic() + 30
-            while b"serving" not in Path(self.log).read_bytes():
+            while b"kvtier serve: serving" not in Path(self.log).read_bytes():
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"kvtier serve did not start: {self.output()}")
                 time.sleep(0.05)

@@ -5,6 +5,7 @@ stale socket."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import stat
 import subprocess
@@ -357,6 +358,36 @@ def test_second_service_on_the_same_socket_is_refused(service: ServiceProc) -> N
     assert second.returncode == 2
     assert f"another kvtier service (pid {service.proc.pid}) is serving" in second.stderr  # type: ignore[union-attr]
     assert service.proc is not None and service.proc.poll() is None  # the first serves on
+
+
+def test_a_service_started_as_the_last_one_stops_keeps_its_shared_memory() -> None:
+    first = ServiceProc(host="1MiB", nvme="4MiB")
+    try:
+        first.start()
+        with connect(first.url, timeout=first.timeout) as c:
+            tokens, kv = prompt(30, 64 * BT)
+            assert c.store(tokens, kv) == 64 * BT  # written down to NVMe when it stops
+        assert first.proc is not None
+        first.proc.send_signal(signal.SIGTERM)
+        second = ServiceProc(host="1MiB", nvme="4MiB", root=first.dir)
+        second.log = os.path.join(first.dir, "serve-2.log")
+        deadline = time.monotonic() + 30
+        while True:  # refused while the first still closes its store, then it starts
+            try:
+                second.start()
+                break
+            except RuntimeError as exc:
+                assert "another kvtier service" in str(exc), exc
+                assert time.monotonic() < deadline
+        assert first.proc.wait(10) == 0
+        assert second.proc is not None and second.proc.poll() is None, second.output()
+        with connect(second.url, timeout=second.timeout) as c:  # its arena and map are there
+            assert c.data_path == "arena" and c.link is not None and c.link.presence is not None
+            assert c.lookup(tokens) == 64 * BT  # warm from NVMe
+            assert c.lookup(prompt(31, BT)[0]) == 0 and c.counters["local_misses"] == 1
+        second.stop()
+    finally:
+        first.cleanup()
 
 
 def test_stale_socket_is_replaced_and_a_foreign_file_refused() -> None:

@@ -88,7 +88,7 @@ def _serve(layout: KVLayout, host_mib: int, staging_mib: int) -> Iterator[str]:
         )
     try:
         deadline = time.monotonic() + 60
-        while b"serving" not in log.read_bytes():
+        while b"kvtier serve: serving" not in log.read_bytes():
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"kvtier serve did not start: {log.read_text()}")
             time.sleep(0.05)

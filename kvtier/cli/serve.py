@@ -47,5 +47,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvtier serve: serving {cfg.url}", file=sys.stderr, flush=True)
         service.serve()
     finally:
-        store.close()
+        try:
+            store.close()
+        finally:
+            lock.release()  # only now: a new service on the socket may create its arena
     return 0

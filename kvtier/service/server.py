@@ -113,7 +113,9 @@ class Service:
     """Serve ``store`` on ``config.url`` until ``stop()``. Call ``serve()`` on one thread.
 
     ``bind()`` (also done by ``serve``) claims the socket; its errors are ``ConfigError``.
-    ``lock``: the socket's lock when the caller claimed it already (``SocketLock.claim``)."""
+    ``lock``: the socket's lock when the caller claimed it already (``SocketLock.claim``); the
+    caller releases it, after closing the store (a service started meanwhile on the socket
+    would otherwise have its shared memory, named per socket, removed by this one's close)."""
 
     def __init__(
         self, store: ServiceStore, config: ServiceConfig, lock: SocketLock | None = None
@@ -124,6 +126,7 @@ class Service:
         self._ctx = zmq.Context()
         self._router: zmq.Socket[bytes] | None = None
         self._lock: SocketLock | None = lock
+        self._lock_given = lock is not None
         self._sessions: dict[bytes, Session] = {}
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="kvtier-service")
@@ -251,9 +254,9 @@ class Service:
             self._router = None
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-            if self._lock is not None:
-                self._lock.release()
-            self._ctx.term()
+            if self._lock is not None and not self._lock_given:
+                self._lock.release()  # a caller's lock is the caller's: held until its store
+            self._ctx.term()  # is closed (its arena and presence map are named per socket)
 
     # -- dispatch --------------------------------------------------------------------------
     def _handle(self, frames: list[bytes]) -> None:
