@@ -196,7 +196,8 @@ class StoreCore:
 
         Victims already on their way out count as room coming, so a slow demotion is waited
         for, not answered with more evictions. Victims to drop (nothing to copy) are dropped
-        here, not on the transfer engine: a thread hand-off per store for a table update.
+        here, under the lock, not on the transfer engine: a thread hand-off per store for a
+        table update.
         Pinned blocks limit how many can fit."""
         idx, dec = self._index, self._decider
         while True:
@@ -212,11 +213,9 @@ class StoreCore:
             drops = [m for m in moves if m.src == 0 and m.dst is None]
             if drops:  # victims with nothing to copy: dropped here, so their room is there now
                 moves = [m for m in moves if not (m.src == 0 and m.dst is None)]
-                self._lock.release()
-                try:
-                    run_moves(self.tiers, drops, self._staging)
-                finally:
-                    self._lock.acquire()
+                # under the lock (a table update per key): a store that came in meanwhile
+                # would count them as room coming and wait for an engine job that is not there
+                run_moves(self.tiers, drops, self._staging)
                 dec.apply([Completion(Job("demote", lambda: None, drops))])
             if idx.free(0) >= n:
                 self._lock.release()  # drops need no wait, but must still be carried out

@@ -146,6 +146,18 @@ class DirectStore(TieredStore):
         res.written += self._end_first(keys, [True] * len(keys), res.ns, res.reuse_class)
         self._next_slice(res)
 
+    def reserve_may_wait(self) -> bool:
+        """Whether ``reserve_store`` may block: room in the first tier may have to wait for
+        its victims' demotion to a lower local tier (victims with nowhere to go are dropped
+        at once)."""
+        return self._decider.next_local(0) is not None
+
+    def commit_may_wait(self, res: Reservation) -> bool:
+        """Whether ``commit_store(res)`` may block: it starts write-through copies to a shared
+        tier (the transfer engine's queue may be full) or reserves a next slice that may wait
+        (``reserve_may_wait``). A commit that cannot is a few table updates."""
+        return bool(self._shared) or (bool(res.slices) and self.reserve_may_wait())
+
     def abort_store(self, res: Reservation) -> None:
         """Return the uncommitted slots unread and roll back their index entries."""
         if res.done:

@@ -1,9 +1,10 @@
 """``Service``: a ``ServiceStore`` behind a ZeroMQ ROUTER socket on a unix socket.
 
 One thread owns the socket: it receives every request, answers the cheap ones itself (hello,
-lookup, lease, release, prefetch, stats, heartbeat) and hands loads and stores to a pool of
-threads, whose replies come back to it over an in-process socket (a ZeroMQ socket is used by one
-thread only). KV bytes never cross the socket: in arena mode the client copies them into and
+lookup, lease, release, prefetch, stats, heartbeat, and a direct store's reserve and commit
+when they cannot wait) and hands loads and stores to a pool of threads, whose replies come
+back to it over an in-process socket (a ZeroMQ socket is used by one thread only). KV bytes
+never cross the socket: in arena mode the client copies them into and
 out of the shared host arena itself (``kvtier.service.direct``: ``reserve``/``commit`` a store,
 ``acquire``/``read_done`` a load); otherwise, and for ``buffer()`` arrays and blocks below the
 host tier, they move between the store and the client's staging region
@@ -287,12 +288,23 @@ class Service:
         if handler is None:
             self._reply(peer, {"id": req_id, "error": "ConfigError", "message": f"no op {op!r}"})
             return
-        if op in _WORKER_OPS:
+        if op in _WORKER_OPS and not self._cannot_wait(session, str(op), req):
             with session.lock:
                 session.inflight += 1
             self._pool.submit(self._work, peer, session, handler, req, tokens)
         else:
             self._reply(peer, self._call(session, handler, req, tokens))
+
+    def _cannot_wait(self, session: Session, op: str, req: dict[str, Any]) -> bool:
+        """A worker op answered on this thread, sparing two thread hand-offs: a direct store's
+        reserve or commit that cannot wait (``DirectStore.reserve_may_wait``,
+        ``commit_may_wait``)."""
+        if op == "reserve":
+            return not self.store.reserve_may_wait()
+        if op != "commit":
+            return False
+        res = session.peek_transfer(req.get("tid", -1) if isinstance(req.get("tid"), int) else -1)
+        return isinstance(res, Reservation) and not self.store.commit_may_wait(res)
 
     def _call(
         self,

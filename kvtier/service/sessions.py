@@ -77,6 +77,11 @@ class Session:
             self.transfers[tid] = transfer
         return tid
 
+    def peek_transfer(self, tid: int) -> Reservation | SlotRead | None:
+        """The transfer ``tid`` (still the session's); ``None`` if none."""
+        with self.lock:
+            return self.transfers.get(tid)
+
     def take_transfer(self, tid: int) -> Reservation | SlotRead | None:
         """The transfer ``tid``, no longer the session's (its owner ends it); ``None`` if none."""
         with self.lock:
