@@ -173,7 +173,8 @@ class StoreConfig:
             raise ConfigError(
                 f"a config is a table of [store] and [[tiers]], got {type(raw).__name__}"
             )
-        check_keys("top level", raw, {"store", "tiers", "service"})  # [service]: kvtier.service
+        # [service] and [[pools]] (further stores of a service): kvtier.service
+        check_keys("top level", raw, {"store", "tiers", "service", "pools"})
         store, tiers = raw.get("store", {}), raw.get("tiers", [])
         if not isinstance(store, Mapping):
             raise ConfigError(f"[store] must be a table (key = value lines), got {store!r}")
