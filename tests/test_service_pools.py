@@ -302,3 +302,34 @@ def test_an_hf_engine_and_a_pages_client_share_one_service_at_once() -> None:
             assert pools["default"]["tiers"]["host"]["used_blocks"] >= 4
     finally:
         svc.cleanup()
+
+
+def test_a_pools_tiers_are_labelled_by_pool_in_prometheus() -> None:
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import REGISTRY
+
+    from kvtier.metrics import enable_prometheus
+    from kvtier.service.pools import Pools
+
+    enable_prometheus(0)  # what [store] metrics_port does, without a port
+    raw = {**_raw(_pool(name="vllm")), "tiers": [{"kind": "host", "capacity": "1MiB"}]}
+    cfg = ServiceConfig(url="unix:///tmp/kvt-pools-unused.sock", data="staging")  # no arenas
+    pools = Pools.open(raw, cfg, env={})
+    try:
+        store = pools.for_layout(PAGES).store
+        assert pools.for_layout(None) is pools.default and store is not pools.default.store
+        tokens, kv = prompt(9, 2 * BT, PAGES)
+        assert store.store(tokens, kv, tenant="pooltest") == 2 * BT
+        assert pools.default.store.lookup(tokens, tenant="pooltest") == 0
+    finally:
+        pools.close()
+    puts = {
+        s.labels["tier"]: s.value
+        for metric in REGISTRY.collect()
+        if metric.name == "kvtier_blocks"
+        for s in metric.samples
+        if s.name == "kvtier_blocks_total"
+        and s.labels["op"] == "put"
+        and s.labels["tenant"].endswith("pooltest")
+    }
+    assert puts.get("vllm/host") == 2 and "host" not in puts
