@@ -22,6 +22,9 @@ Example (``kvtier.toml``)::
     capacity = "200GiB"
     paths = ["/mnt/nvme0/kvtier"]
 
+A service's config may add ``[[pools]]``, stores of further KV layouts it serves
+(``kvtier.service.pools``); ``StoreConfig`` reads ``[store]``/``[[tiers]]`` only.
+
 Environment overrides: ``KVTIER_<KEY>`` sets ``store.<key>`` (``KVTIER_POLICY=lru``), and
 ``KVTIER_TIER<i>_<KEY>`` sets a key of the i-th tier (``KVTIER_TIER0_CAPACITY=4GiB``).
 Env values are text: numbers are read as numbers, booleans as 1/0, true/false, yes/no, on/off.

@@ -237,6 +237,10 @@ def test_pool_configs_refuse_what_cannot_be_served() -> None:
             pool_configs(_raw(table), env={})
     with pytest.raises(ConfigError, match=r"pools #1 .*unknown key"):
         pool_configs(_raw({**_pool(), "capacity": "1GiB"}), env={})
+    from kvtier.open import open_store
+
+    with pytest.raises(ConfigError, match=r"an in-process store has one layout"):
+        open_store(_raw(_pool()))  # no [service] url: pools cannot be served in-process
     with pytest.raises(ConfigError, match="pools must be an array of tables"):
         pool_configs({**_raw(), "pools": {"store": {}}}, env={})
     two = _raw(_pool(name="a"), _pool(name="b", head_dim=8, kv_factor=2))
