@@ -23,6 +23,9 @@ Example (``kvtier.toml``)::
     capacity = "200GiB"
     paths = ["/mnt/nvme0/kvtier"]
 
+A service's config may add ``[[pools]]``, stores of further KV layouts it serves
+(``kvtier.service.pools``); ``StoreConfig`` reads ``[store]``/``[[tiers]]`` only.
+
 Environment overrides: ``KVTIER_<KEY>`` sets ``store.<key>`` (``KVTIER_POLICY=lru``), and
 ``KVTIER_TIER<i>_<KEY>`` sets a key of the i-th tier (``KVTIER_TIER0_CAPACITY=4GiB``).
 Env values are text: numbers are read as numbers, booleans as 1/0, true/false, yes/no, on/off.
@@ -196,7 +199,8 @@ class StoreConfig:
             raise ConfigError(
                 f"a config is a table of [store] and [[tiers]], got {type(raw).__name__}"
             )
-        check_keys("top level", raw, {"store", "tiers", "service"})  # [service]: kvtier.service
+        # [service] and [[pools]] (further stores of a service): kvtier.service
+        check_keys("top level", raw, {"store", "tiers", "service", "pools"})
         store, tiers = raw.get("store", {}), raw.get("tiers", [])
         if not isinstance(store, Mapping):
             raise ConfigError(f"[store] must be a table (key = value lines), got {store!r}")

@@ -134,6 +134,14 @@ class KVLayout:
         )
         return hashlib.blake2b(desc.encode(), digest_size=8).digest()
 
+    def toml_keys(self) -> str:
+        """This layout as the ``[store]`` keys of a config (for messages that say what to set)."""
+        return (
+            f"layers = {self.layers}, kv_heads = {self.kv_heads}, head_dim = {self.head_dim}, "
+            f'kv_factor = {self.kv_factor}, dtype = "{self.dtype}", '
+            f"block_tokens = {self.block_tokens}"
+        )
+
     def with_tp(self, tp: int) -> KVLayout:
         """The per-GPU layout under tensor parallelism ``tp``.
 

@@ -76,6 +76,7 @@ class MeteredTier(Tier):
         super().__init__(inner.layout)
         self.inner = inner
         self.name = inner.name
+        self.label = inner.name  # the Prometheus ``tier`` label (a service pool prefixes it)
         self.persistent = inner.persistent
         self.shared = inner.shared
         self.verifies_checksums = inner.verifies_checksums
@@ -161,10 +162,10 @@ class MeteredTier(Tier):
                 s.write_seconds += seconds
         if _prom is not None:
             good, bad = ("hit", "miss") if op == "read" else ("put", "put_failed")
-            _prom.blocks.labels(self.name, tenant, good).inc(ok)
-            _prom.blocks.labels(self.name, tenant, bad).inc(failed)
-            _prom.bytes.labels(self.name, tenant, op).inc(nbytes)
-            _prom.latency.labels(self.name, "get" if op == "read" else "put").observe(seconds)
+            _prom.blocks.labels(self.label, tenant, good).inc(ok)
+            _prom.blocks.labels(self.label, tenant, bad).inc(failed)
+            _prom.bytes.labels(self.label, tenant, op).inc(nbytes)
+            _prom.latency.labels(self.label, "get" if op == "read" else "put").observe(seconds)
 
     def delete(self, keys: Sequence[BlockKey], tenant: str = "") -> None:
         self.inner.delete(keys, tenant)

@@ -54,6 +54,11 @@ def open_store(
     from kvtier.config import StoreConfig
     from kvtier.store import TieredStore
 
+    if raw.get("pools"):
+        raise ConfigError(
+            "[[pools]] are further stores of a service (`kvtier serve`); an in-process store "
+            "has one layout: drop [[pools]], or set [service] url to use the service"
+        )
     store_cfg = StoreConfig.load(raw)
     if layout is not None and layout != store_cfg.layout:
         raise LayoutError(f"the config's layout {store_cfg.layout} is not the engine's {layout}")

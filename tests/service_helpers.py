@@ -1,6 +1,7 @@
 """Real ``kvtier serve`` processes and client processes for the service tests and bench.
 
-``ServiceProc`` writes a config and runs ``python -m kvtier.cli.main serve`` in a subprocess;
+``ServiceProc`` writes a config (``add_pool``: a further layout it serves) and runs
+``python -m kvtier.cli.main serve`` in a subprocess;
 ``prompt(i, n)`` is a deterministic prompt and its KV, so any process can check bytes it loads.
 ``tests/service_client.py`` is the client process these tests start and kill.
 """
@@ -81,6 +82,39 @@ class ServiceProc:
         )
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = os.path.join(self.dir, "serve.log")
+        self.pools = 0
+
+    def add_pool(
+        self,
+        layout: KVLayout,
+        *,
+        name: str = "",
+        host: str | None = "1MiB",
+        nvme: str | None = None,
+        nvme_dir: str = "",
+        model_id: str = "test/model",
+    ) -> None:
+        """Add a ``[[pools]]`` table of ``layout`` to the config (before ``start``): a host
+        tier of ``host`` bytes (``None``: no tiers at all), an NVMe tier of ``nvme`` bytes in
+        ``nvme_dir`` (default: a directory of its own)."""
+        self.pools += 1
+        table = "[[pools]]\n" + (f'name = "{name}"\n' if name else "")
+        table += (
+            f'[pools.store]\nmodel_id = "{model_id}"\nlayers = {layout.layers}\n'
+            f"kv_heads = {layout.kv_heads}\nhead_dim = {layout.head_dim}\n"
+            f'block_tokens = {layout.block_tokens}\ndtype = "{layout.dtype}"\n'
+            f"kv_factor = {layout.kv_factor}\n"
+        )
+        if host is not None:
+            table += f'[[pools.tiers]]\nkind = "host"\ncapacity = "{host}"\n'
+        if nvme:
+            where = nvme_dir or f"{self.dir}/nvme-pool{self.pools}"
+            table += (
+                f'[[pools.tiers]]\nkind = "nvme"\ncapacity = "{nvme}"\n'
+                f'paths = ["{where}"]\no_direct = "never"\n'
+            )
+        with open(self.config, "a") as f:
+            f.write(table)
 
     def start(self, wait: bool = True) -> subprocess.Popen[bytes]:
         """Start the service; with ``wait``, until it serves (``RuntimeError`` if it exits)."""

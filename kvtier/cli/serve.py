@@ -1,8 +1,9 @@
 """``kvtier serve --config kvtier.toml [--url unix:///path.sock]``: run the node-local service.
 
-Builds the store from the config's ``[store]``/``[[tiers]]``, serves it on ``[service] url`` (or
-``--url``) until SIGTERM/SIGINT, then closes the store (volatile blocks are written down to the
-persistent tier, so a restarted service finds them). See ``kvtier.service``.
+Builds the store of the config's ``[store]``/``[[tiers]]`` and one per ``[[pools]]`` table
+(``kvtier.service.pools``: further KV layouts it serves), serves them on ``[service] url`` (or
+``--url``) until SIGTERM/SIGINT, then closes the stores (volatile blocks are written down to
+the persistent tier, so a restarted service finds them). See ``kvtier.service``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvtier.service.config import ServiceConfig
-    from kvtier.service.scoped import ServiceStore
+    from kvtier.service.pools import Pools
     from kvtier.service.server import Service, SocketLock
 
     try:
@@ -33,22 +34,27 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {args.config}: {exc}") from None
     cfg = ServiceConfig.from_dict(raw, args.url)
-    lock = SocketLock.claim(cfg)  # before the store: its shared arena is named per socket
+    lock = SocketLock.claim(cfg)  # before the stores: their shared arenas are named per socket
     try:
-        store = ServiceStore.for_service(args.config, cfg)
+        try:
+            pools = Pools.open(raw, cfg)
+        except ConfigError as exc:
+            raise ConfigError(f"config file {args.config}: {exc}") from None
     except BaseException:
         lock.release()
         raise
-    service = Service(store, cfg, lock)
+    service = Service(pools, cfg, lock)
     try:
         service.bind()  # a busy or foreign socket fails before anything is served
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: service.stop())
+        served = ", ".join(f"{p.name} ({p.layout.toml_keys()})" for p in pools)
+        print(f"kvtier serve: pools {served}", file=sys.stderr, flush=True)
         print(f"kvtier serve: serving {cfg.url}", file=sys.stderr, flush=True)
         service.serve()
     finally:
         try:
-            store.close()
+            pools.close()
         finally:
-            lock.release()  # only now: a new service on the socket may create its arena
+            lock.release()  # only now: a new service on the socket may create its arenas
     return 0

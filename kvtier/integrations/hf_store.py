@@ -20,7 +20,7 @@ from typing import Any
 from kvtier.config import parse_int
 from kvtier.errors import ConfigError, LayoutError
 from kvtier.integrations import hf_cache
-from kvtier.layout import DEFAULT_BLOCK_TOKENS, KVLayout
+from kvtier.layout import DEFAULT_BLOCK_TOKENS
 from kvtier.open import open_store
 
 _LAYOUT_KEYS = ("model", "layers", "kv_heads", "head_dim", "kv_factor", "dtype")
@@ -35,14 +35,6 @@ def _read(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {config} does not exist") from None
     except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {config}: {exc}") from None
-
-
-def _hint(layout: KVLayout) -> str:
-    return (
-        f"layers = {layout.layers}, kv_heads = {layout.kv_heads}, head_dim = {layout.head_dim}, "
-        f'kv_factor = {layout.kv_factor}, dtype = "{layout.dtype}", '
-        f"block_tokens = {layout.block_tokens}"
-    )
 
 
 def open_model_store(
@@ -87,6 +79,6 @@ def open_model_store(
         return open_store(raw, identity=identity, layout=layout, name=name)
     except LayoutError as exc:
         raise ConfigError(
-            f"{exc}. This model's KV needs [store] {_hint(layout)} (in the service's config "
-            "when [service] url is set)"
+            f"{exc}. This model's KV needs [store] {layout.toml_keys()} (in the service's config "
+            "when [service] url is set: its [store], or [pools.store] of a [[pools]] table)"
         ) from None

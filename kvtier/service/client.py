@@ -444,9 +444,10 @@ def connect(
     """A client of the kvtier service at ``url`` (``unix:///path/kvtier.sock``).
 
     ``identity`` (or the short form ``model_id``/``revision``) says whose KV this engine's
-    blocks are; omitted, the service's ``[store]`` identity applies. ``tenant`` is the default
-    tenant of calls that name none (the service's default otherwise). ``layout``, when given,
-    must match the service's (``LayoutError`` otherwise) and lets the client start while the
+    blocks are; omitted, the ``[store]`` identity of the service's pool applies. ``tenant`` is
+    the default tenant of calls that name none (the service's default otherwise). ``layout``,
+    when given, picks the service's pool of that layout (``LayoutError`` listing the layouts
+    it serves when none is; ``kvtier.service.pools``) and lets the client start while the
     service is down (misses until it is up); without it an unreachable service raises
     ``ConfigError``. ``timeout`` bounds every call (seconds). ``direct=False``: never map the
     service's host arena (every transfer through the staging region). ``presence=False``:

@@ -17,7 +17,8 @@ then read every block in the arena. ``"staging"`` keeps each client to its own s
 (the service copies between it and the arena: two copies per direction), for clients that must
 not read each other's KV. The socket's permissions decide who is a client either way.
 
-The rest of the file (``[store]``, ``[[tiers]]``) configures the store the service runs.
+The rest of the file (``[store]``, ``[[tiers]]``) configures the store the service runs, and
+``[[pools]]`` further stores of other KV layouts it serves too (``kvtier.service.pools``).
 """
 
 from __future__ import annotations
@@ -82,10 +83,19 @@ class ServiceConfig:
         service on that socket replaces."""
         return None if self.data != "arena" else self.shm_prefix + "-arena"
 
-    @property
-    def presence_path(self) -> str:
-        """Where the index's presence map is named (``kvtier.service.presence``)."""
-        return self.shm_prefix + "-presence"
+    def arena_path_of(self, pool: int) -> str | None:
+        """The shared arena name of pool ``pool`` (``kvtier.service.pools``): the default
+        pool's is ``arena_path``, pool i's that with ``-<i>``, so each pool of a service has
+        its own, still one per socket and pool (``SocketLock.claim`` removes those a killed
+        service left)."""
+        path = self.arena_path
+        return path if path is None or pool == 0 else f"{path}-{pool}"
+
+    def presence_path_of(self, pool: int) -> str:
+        """Where pool ``pool``'s index presence map is named (``kvtier.service.presence``):
+        one per socket and pool, as the arenas (each created anew, replacing a stale one)."""
+        path = self.shm_prefix + "-presence"
+        return path if pool == 0 else f"{path}-{pool}"
 
     @property
     def gid(self) -> int | None:

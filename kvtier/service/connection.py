@@ -1,8 +1,9 @@
 """``Connection``: a client's session with ``kvtier serve`` -- the socket, the heartbeat, calls.
 
 ``Connection(url, identity=...)`` opens a ZeroMQ DEALER socket, says ``hello`` (registering the
-engine's ``Identity``; the service derives every key from it), maps the session's staging
-region and, in arena mode, the service's shared host arena. ``call`` sends one request and
+engine's ``Identity``, from which the service derives every key, and its layout, which picks
+the service's pool), maps the session's staging region and, in arena mode, the host arena of
+that pool. ``call`` sends one request and
 waits for its reply; ``start``/``finish`` let a transfer keep several in flight.
 
 Failure: every call waits at most ``timeout`` seconds. A service that is down, restarting or
@@ -24,7 +25,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import zmq
@@ -224,6 +225,8 @@ class Connection:
             "version": VERSION,
             "identity": None if self.identity is None else _fields(self.identity),
             "tenant": self._tenant,
+            # the service binds the session to the pool of this layout (none: its default)
+            "layout": None if self._layout is None else asdict(self._layout),
             "pid": os.getpid(),
             "name": self.name,
         }

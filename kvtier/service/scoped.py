@@ -6,10 +6,10 @@ anything the request says. ``using(identity)`` sets that identity for the callin
 context variable), and ``namespace`` -- the one place every store path derives its keys from --
 reads it. Outside ``using`` the store's own identity applies (the ``[store]`` model_id).
 
-``ServiceStore.for_service`` builds it from a config file with, in arena mode, the first host
-tier's arena in named shared memory (``kvtier.service.direct``), and -- when no tier is shared
--- the index's presence map in named shared memory too (``kvtier.service.presence``), so
-clients answer first-block misses themselves.
+``ServiceStore.for_service`` builds it from one pool's config (``kvtier.service.pools``) with,
+in arena mode, the first host tier's arena in named shared memory (``kvtier.service.direct``),
+and -- when no tier is shared -- the index's presence map in named shared memory too
+(``kvtier.service.presence``), so clients answer first-block misses themselves.
 """
 
 from __future__ import annotations
@@ -18,13 +18,11 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from contextvars import ContextVar
-from pathlib import Path
 from typing import Any
 
 from kvtier.config import StoreConfig
 from kvtier.identity import Identity, Scope
 from kvtier.keys import Namespace
-from kvtier.service.config import ServiceConfig
 from kvtier.service.direct import DirectStore
 from kvtier.service.presence import PresenceEntries, PresenceMap, slots_for
 from kvtier.tiers.host import HostTier
@@ -37,21 +35,30 @@ class ServiceStore(DirectStore):
     """A ``TieredStore`` that derives keys from the calling session's identity. Thread-safe."""
 
     @classmethod
-    def for_service(cls, path: str | Path, service: ServiceConfig) -> ServiceStore:
-        """The store of the config file at ``path``; in arena mode a first ``host`` tier's
-        arena is named shared memory at ``service.arena_path`` (``service.gid``'s group)."""
-        cfg = StoreConfig.load(path)
+    def for_service(
+        cls,
+        cfg: StoreConfig,
+        arena_path: str | None,
+        gid: int | None,
+        label: str = "",
+        presence_path: str | None = None,
+    ) -> ServiceStore:
+        """The store of ``cfg``; with an ``arena_path`` (arena mode) a first ``host`` tier's
+        arena is named shared memory there (``gid``'s group). ``label``: a pool's name, the
+        prefix of its tiers' Prometheus ``tier`` label (``<label>/host``). ``presence_path``:
+        where to name its presence map (none without; none with a shared tier)."""
         first = None
         spec = cfg.tiers[0] if cfg.tiers else {}
-        if service.arena_path is not None and spec.get("kind") == "host":
+        if arena_path is not None and spec.get("kind") == "host":
             rest = {k: v for k, v in spec.items() if k != "kind"}
-            first = HostTier.from_config(
-                cfg.layout, rest, shm_path=service.arena_path, shm_gid=service.gid
-            )
+            first = HostTier.from_config(cfg.layout, rest, shm_path=arena_path, shm_gid=gid)
         store = cls.from_config(cfg, first=first)
         assert isinstance(store, ServiceStore)
-        if not store._shared:
-            store._watch(service.presence_path, service.gid)
+        if label:
+            for tier in store.tiers:
+                tier.label = f"{label}/{tier.name}"
+        if presence_path is not None and not store._shared:
+            store._watch(presence_path, gid)
         return store
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -1,4 +1,7 @@
-"""``Service``: a ``ServiceStore`` behind a ZeroMQ ROUTER socket on a unix socket.
+"""``Service``: the ``ServiceStore`` pools behind a ZeroMQ ROUTER socket on a unix socket.
+
+A client's session is bound at ``hello`` to the pool of its layout (``kvtier.service.pools``);
+every later call of the session runs on that pool's store.
 
 One thread owns the socket: it receives every request, answers the cheap ones itself (hello,
 lookup, lease, release, prefetch, stats, heartbeat, and a direct store's reserve and commit
@@ -41,8 +44,10 @@ from kvtier.decider import checked_reuse_class
 from kvtier.errors import ConfigError, KVTierError, TokenError
 from kvtier.identity import Identity
 from kvtier.keys import Namespace, TokenIds
+from kvtier.layout import KVLayout
 from kvtier.service.config import ServiceConfig
 from kvtier.service.direct import Reservation, SlotRead
+from kvtier.service.pools import Pools
 from kvtier.service.protocol import VERSION, error_reply, pack, socket_path, unpack
 from kvtier.service.scoped import ServiceStore
 from kvtier.service.sessions import Session
@@ -93,13 +98,17 @@ class SocketLock:
     def claim(cls, config: ServiceConfig) -> SocketLock:
         """The lock of ``config.url``'s socket (its directory made if missing);
         ``ConfigError`` if another service holds it. Staging regions a killed service on
-        this socket left in ``/dev/shm`` (sessions whose client never attached) are removed."""
+        this socket left in ``/dev/shm`` (sessions whose client never attached) are removed,
+        and the arenas of its pools (each new pool's replaces its own name: this removes
+        those of pools the config no longer has)."""
         path = socket_path(config.url)
         parent = os.path.dirname(path)
         if not os.path.isdir(parent):
             os.makedirs(parent, mode=0o750 if config.gid is not None else 0o700, exist_ok=True)
         lock = cls(path)
-        for stale in glob.glob(glob.escape(config.shm_prefix) + "-staging-*"):
+        prefix = glob.escape(config.shm_prefix)
+        stale_names = ("-staging-*", "-arena-*", "-presence-*")
+        for stale in [p for name in stale_names for p in glob.glob(prefix + name)]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(stale)
         return lock
@@ -111,17 +120,15 @@ class SocketLock:
 
 
 class Service:
-    """Serve ``store`` on ``config.url`` until ``stop()``. Call ``serve()`` on one thread.
+    """Serve ``pools`` on ``config.url`` until ``stop()``. Call ``serve()`` on one thread.
 
     ``bind()`` (also done by ``serve``) claims the socket; its errors are ``ConfigError``.
     ``lock``: the socket's lock when the caller claimed it already (``SocketLock.claim``); the
     caller releases it, after closing the store (a service started meanwhile on the socket
     would otherwise have its shared memory, named per socket, removed by this one's close)."""
 
-    def __init__(
-        self, store: ServiceStore, config: ServiceConfig, lock: SocketLock | None = None
-    ) -> None:
-        self.store = store
+    def __init__(self, pools: Pools, config: ServiceConfig, lock: SocketLock | None = None) -> None:
+        self.pools = pools
         self.config = config
         self.path = socket_path(config.url)
         self._ctx = zmq.Context()
@@ -201,8 +208,8 @@ class Service:
         self._stop.set()
 
     def serve(self) -> None:
-        """Run the socket loop until ``stop()``; then close sessions and the socket (the store
-        stays open: its owner closes it)."""
+        """Run the socket loop until ``stop()``; then close sessions and the socket (the pools'
+        stores stay open: their owner closes them)."""
         self.bind()
         router = self._router
         assert router is not None
@@ -300,11 +307,11 @@ class Service:
         reserve or commit that cannot wait (``DirectStore.reserve_may_wait``,
         ``commit_may_wait``)."""
         if op == "reserve":
-            return not self.store.reserve_may_wait()
+            return not session.store.reserve_may_wait()
         if op != "commit":
             return False
         res = session.peek_transfer(req.get("tid", -1) if isinstance(req.get("tid"), int) else -1)
-        return isinstance(res, Reservation) and not self.store.commit_may_wait(res)
+        return isinstance(res, Reservation) and not session.store.commit_may_wait(res)
 
     def _call(
         self,
@@ -373,7 +380,7 @@ class Service:
         tokens]`` rows) as the store counts its own lookups and loads."""
         try:
             for tenant, lookups, lookup_tokens, loads, load_tokens in report:
-                self.store.count_misses(
+                session.store.count_misses(
                     str(tenant), int(lookups), int(lookup_tokens), int(loads), int(load_tokens)
                 )
                 session.count(
@@ -393,9 +400,11 @@ class Service:
                     f"client speaks protocol {req.get('version')!r}, this service {VERSION}: "
                     "run the same kvtier version on both sides"
                 )
+            pool = self.pools.for_layout(self._layout(req.get("layout")))
+            store = pool.store
             fields = req.get("identity")
             if fields is None:
-                identity = self.store.identity
+                identity = store.identity
             elif isinstance(fields, dict):
                 try:
                     identity = Identity(**fields)
@@ -403,8 +412,8 @@ class Service:
                     raise ConfigError(f"identity: {exc}") from None
             else:
                 raise ConfigError(f"identity: expected a map, got {fields!r}")
-            tenant = req.get("tenant") or self.store.tenant
-            self.store.namespace(tenant)  # validates the tenant name
+            tenant = req.get("tenant") or store.tenant
+            store.namespace(tenant)  # validates the tenant name
             staging = Staging.create(
                 self.config.staging,
                 self.config.token_area,
@@ -421,24 +430,27 @@ class Service:
             identity,
             tenant,
             staging,
+            store,
+            pool.name,
             pid=pid if isinstance(pid, int) else 0,
             name=name if isinstance(name, str) else "",
             peer=peer,
             number=next(self._numbers),
         )
-        lay = self.store.layout
-        arena = self.store.arena if self.config.data == "arena" else None
-        presence = self.store.presence
+        lay = store.layout
+        arena = store.arena if self.config.data == "arena" else None
+        presence = store.presence
         with ServiceStore.using(identity):
-            root = self.store.namespace(tenant).root
+            root = store.namespace(tenant).root
         return {
             "id": req_id,
-            "arena": None if arena is None else arena.shm.path,
+            "arena": None if arena is None else arena.shm.path,  # the arena of its pool
             "arena_bytes": 0 if arena is None else arena.shm.nbytes,
             "presence": None if presence is None else presence.shm.path,
             "presence_bytes": 0 if presence is None else presence.shm.nbytes,
             "root": root,
             "sid": sid,
+            "pool": pool.name,
             "layout": {
                 "layers": lay.layers,
                 "kv_heads": lay.kv_heads,
@@ -454,6 +466,18 @@ class Service:
             "tenant": tenant,
             "identity": identity.describe(),
         }
+
+    @staticmethod
+    def _layout(fields: object) -> KVLayout | None:
+        """The layout a client sent at hello (``None``: it sent none, the default pool)."""
+        if fields is None:
+            return None
+        if not isinstance(fields, dict):
+            raise ConfigError(f"layout: expected a map, got {fields!r}")
+        try:
+            return KVLayout(**fields)
+        except TypeError as exc:
+            raise ConfigError(f"layout: {exc}") from None
 
     def _attach(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
         s.staging.unlink()  # both sides have it mapped: the name is no longer needed
@@ -482,25 +506,25 @@ class Service:
         }
 
     def _lookup(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
-        end = self.store.lookup(self._tokens(tokens), **self._scope(req))
+        end = s.store.lookup(self._tokens(tokens), **self._scope(req))
         return {"end": end, "_tokens": end - req.get("start", 0)}
 
     def _locate(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
-        return {"tiers": self.store.locate(self._tokens(tokens), **self._scope(req))}
+        return {"tiers": s.store.locate(self._tokens(tokens), **self._scope(req))}
 
     def _prefetch(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
-        return {"tokens": self.store.prefetch(self._tokens(tokens), **self._scope(req))}
+        return {"tokens": s.store.prefetch(self._tokens(tokens), **self._scope(req))}
 
     def _load(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
-        out = s.staging.view(self.store.layout, req["off"], req["n"])
-        end = self.store.load(self._tokens(tokens), out, **self._scope(req))
+        out = s.staging.view(s.store.layout, req["off"], req["n"])
+        end = s.store.load(self._tokens(tokens), out, **self._scope(req))
         got = end - req.get("start", 0)
-        return {"end": end, "_tokens": got, "_bytes": got * self.store.layout.bytes_per_token}
+        return {"end": end, "_tokens": got, "_bytes": got * s.store.layout.bytes_per_token}
 
     def _store(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
-        kv = s.staging.view(self.store.layout, req["off"], req["n"])
+        kv = s.staging.view(s.store.layout, req["off"], req["n"])
         reuse = req.get("reuse_class")
-        written = self.store.store(
+        written = s.store.store(
             self._tokens(tokens),
             kv,
             reuse_class=tuple(reuse) if isinstance(reuse, list) else reuse,
@@ -509,47 +533,47 @@ class Service:
         out = {
             "written": written,
             "_tokens": written,
-            "_bytes": written * self.store.layout.bytes_per_token,
+            "_bytes": written * s.store.layout.bytes_per_token,
         }
         if req.get("hold"):
             # a chunk of a larger store: hold it so the chunks after it cannot evict it
             # (as one in-process call holds its own blocks); released at the call's end
-            held = self.store.lease(self._tokens(tokens), **self._scope(req))
+            held = s.store.lease(self._tokens(tokens), **self._scope(req))
             out["lid"] = s.add_lease(held)
         return out
 
     # -- direct transfers (arena mode): the client copies, the store decides ----------------
     def _root(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
         """The key root of a scope of the session's identity (``kvtier.service.presence``)."""
-        return {"root": self._namespace(req).root}
+        return {"root": self._namespace(s, req).root}
 
-    def _namespace(self, req: dict[str, Any]) -> Namespace:
-        return self.store.namespace(req.get("tenant"), req.get("adapter"), req.get("salt"))
+    def _namespace(self, s: Session, req: dict[str, Any]) -> Namespace:
+        return s.store.namespace(req.get("tenant"), req.get("adapter"), req.get("salt"))
 
     def _slice(self, s: Session, res: Reservation, tid: int | None) -> dict[str, Any]:
         """The reply naming a reservation's current slice, or the store's outcome when done."""
         if res.done:
-            n = res.written * self.store.layout.block_tokens
-            return {"written": n, "_tokens": n, "_bytes": n * self.store.layout.bytes_per_token}
+            n = res.written * s.store.layout.block_tokens
+            return {"written": n, "_tokens": n, "_bytes": n * s.store.layout.bytes_per_token}
         if tid is None:
             tid = s.add_transfer(res)
         else:
             s.put_back(tid, res)
         return {"tid": tid, "blocks": res.pending, "slots": res.slots}
 
-    def _direct(self) -> None:
+    def _direct(self, s: Session) -> None:
         """Direct transfers only where clients were offered the arena (else a fault: a miss)."""
-        if self.config.data != "arena" or self.store.arena is None:
+        if self.config.data != "arena" or s.store.arena is None:
             raise LookupError("this service shares no host arena: transfer through staging")
 
     def _reserve(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
-        self._direct()
+        self._direct(s)
         reuse = req.get("reuse_class")
-        res = self.store.reserve_store(
+        res = s.store.reserve_store(
             TokenIds(self._tokens(tokens)),
             req.get("start", 0),
-            int(req["n"]) // self.store.layout.block_tokens,
-            self._namespace(req),
+            int(req["n"]) // s.store.layout.block_tokens,
+            self._namespace(s, req),
             checked_reuse_class(tuple(reuse) if isinstance(reuse, list) else reuse),
         )
         return self._slice(s, res, None)
@@ -560,9 +584,9 @@ class Service:
         if not isinstance(res, Reservation):
             raise LookupError(f"no store {tid} in progress in this session")  # a fault: a miss
         try:
-            self.store.commit_store(res, np.frombuffer(req["sums"], "<u8").tolist())
+            s.store.commit_store(res, np.frombuffer(req["sums"], "<u8").tolist())
         except BaseException:
-            self.store.abort_store(res)
+            s.store.abort_store(res)
             raise
         return self._slice(s, res, tid)
 
@@ -573,13 +597,13 @@ class Service:
         return {}
 
     def _acquire(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
-        self._direct()
+        self._direct(s)
         toks = TokenIds(self._tokens(tokens))
         start = req.get("start", 0)
-        read, more = self.store.begin_read(toks, start, self._namespace(req))
+        read, more = s.store.begin_read(toks, start, self._namespace(s, req))
         if not read.slots:  # nothing in the host tier: a miss, unless a lower tier follows
-            bt = self.store.layout.block_tokens
-            self.store.end_read(read, 0, 0 if more else len(toks) // bt - start // bt)
+            bt = s.store.layout.block_tokens
+            s.store.end_read(read, 0, 0 if more else len(toks) // bt - start // bt)
             return {"slots": [], "more": more}
         sums = np.asarray(read.sums, "<u8").tobytes()
         return {"tid": s.add_transfer(read), "slots": read.slots, "sums": sums, "more": more}
@@ -588,13 +612,13 @@ class Service:
         read = s.take_transfer(int(req["tid"]))
         if not isinstance(read, SlotRead):
             return {}
-        self.store.end_read(read, int(req["ok"]), int(req["asked"]))
-        bt = self.store.layout.block_tokens
+        s.store.end_read(read, int(req["ok"]), int(req["asked"]))
+        bt = s.store.layout.block_tokens
         got = int(req["ok"]) * bt
-        return {"_tokens": got, "_bytes": got * self.store.layout.bytes_per_token}
+        return {"_tokens": got, "_bytes": got * s.store.layout.bytes_per_token}
 
     def _lease(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
-        lease = self.store.lease(self._tokens(tokens), **self._scope(req))
+        lease = s.store.lease(self._tokens(tokens), **self._scope(req))
         lid = s.add_lease(lease)
         return {"lid": lid, "start": lease.start, "end": lease.end, "_tokens": lease.tokens}
 
@@ -604,11 +628,13 @@ class Service:
 
     def _flush(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
         timeout = req.get("timeout")
-        self.store.flush(float(timeout) if isinstance(timeout, int | float) else None)
+        s.store.flush(float(timeout) if isinstance(timeout, int | float) else None)
         return {}
 
     def _stats(self, s: Session, req: dict[str, Any], tokens: Any) -> dict[str, Any]:
-        stats = self.store.stats()
+        stats = s.store.stats()  # the session's pool, as a store's stats
+        stats["pool"] = s.pool
+        stats["pools"] = self.pools.stats()
         stats["service"] = {
             "url": self.config.url,
             "pid": os.getpid(),

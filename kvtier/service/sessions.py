@@ -1,4 +1,4 @@
-"""``Session``: one connected client -- its identity, staging region, leases, transfers, counters.
+"""``Session``: one client -- its identity, pool, staging region, leases, transfers, counters.
 
 Every pin and transfer a client starts belongs to its session: its leases (``Lease``), and the
 direct transfers it is copying (``kvtier.service.direct``: a store's reserved slots, a load's
@@ -19,6 +19,7 @@ from typing import Any
 from kvtier.identity import Identity
 from kvtier.lease import Lease
 from kvtier.service.direct import Reservation, SlotRead
+from kvtier.service.scoped import ServiceStore
 from kvtier.service.staging import Staging
 
 
@@ -41,6 +42,8 @@ class Session:
     identity: Identity
     tenant: str
     staging: Staging
+    store: ServiceStore  # its pool's (``kvtier.service.pools``): every call of the session
+    pool: str = "default"
     pid: int = 0
     name: str = ""
     peer: bytes = b""  # the ZeroMQ routing id of the connection that opened the session
@@ -135,6 +138,7 @@ class Session:
             "pid": self.pid,
             "name": self.name,
             "tenant": self.tenant,
+            "pool": self.pool,
             "identity": self.identity.describe(),
             "leases": leases,
             "transfers": transfers,

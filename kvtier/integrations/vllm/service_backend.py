@@ -16,9 +16,9 @@ holds one transfer.
 
 Failure: the client's calls are bounded by ``[service] timeout``; a service that is down,
 restarting or stalled makes loads misses (vLLM recomputes) and saves no-ops, never a failed
-request. The client reconnects by itself when the service is back. A service that stores
-another layout (``[store]`` of ``kvtier serve``'s config) refuses the engine at start with a
-``ConfigError`` naming the ``[store]`` lines the service needs.
+request. The client reconnects by itself when the service is back. A service that serves no
+pool of the pages' layout (``[store]`` or a ``[[pools]]`` table of ``kvtier serve``'s config)
+refuses the engine at start with a ``ConfigError`` naming the lines the service needs.
 """
 
 from __future__ import annotations
@@ -38,11 +38,7 @@ log = logging.getLogger("kvtier.vllm")
 
 def layout_hint(layout: KVLayout) -> str:
     """The ``[store]`` lines of a service that stores ``layout`` (for error messages)."""
-    return (
-        f"layers = {layout.layers}, kv_heads = {layout.kv_heads}, head_dim = {layout.head_dim}, "
-        f'kv_factor = {layout.kv_factor}, dtype = "{layout.dtype}", '
-        f"block_tokens = {layout.block_tokens}"
-    )
+    return layout.toml_keys()
 
 
 def connect_rank(
@@ -75,7 +71,8 @@ def connect_rank(
     except LayoutError as exc:
         raise ConfigError(
             f"{exc}. This vLLM engine's pages need a service whose config has [store] "
-            f"{layout_hint(layout)} (or drop [service] url to run kvtier in-process)"
+            f"{layout_hint(layout)}, or a [[pools]] table with those keys in [pools.store] "
+            "(or drop [service] url to run kvtier in-process)"
         ) from None
 
 

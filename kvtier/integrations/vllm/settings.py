@@ -187,6 +187,12 @@ def parse_settings(extra: Mapping[str, Any] | None, engine_block_size: int) -> C
             f"kvtier_config: expected a TOML path or a table of store/tiers, got "
             f"{type(given).__name__}"
         )
+    if isinstance(raw, dict) and "pools" in raw:
+        raise ConfigError(
+            f"{source}: [[pools]] configure the service (`kvtier serve`); give the vLLM "
+            "connector a config of its own: [service] url, and [store] model_id and "
+            "block_tokens of the pool that serves its pages"
+        )
     if not isinstance(raw, dict) or not set(raw) <= _TABLES:
         raise ConfigError(f"{source}: a kvtier config has [store], [[tiers]] and [service] only")
     for table in ("store", "service"):
