@@ -24,7 +24,7 @@ pytest.importorskip("zmq")
 from kvtier.layout import KVLayout
 from kvtier.service.client import connect
 from tests import vllm_helpers as H
-from tests.service_helpers import ServiceProc
+from tests.service_helpers import ServiceProc, client_proc, kill_spawned, wait_line
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -162,3 +162,40 @@ def test_bench_vllm_service_runs_small_and_serves_identically(
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["identical"] is True
     assert out["cached_tokens"] == {"inprocess": [512], "service": [512], "restart": [512]}
+
+
+def test_a_vllm_engine_and_an_hf_engine_share_one_service(model: Path) -> None:
+    """Two engines of two kinds, in their own processes, on one node service at once: each
+    is bound to the pool of its layout and is served its own earlier prefix, identical."""
+    pytest.importorskip("transformers")
+    from kvtier.integrations import hf_cache
+    from kvtier.integrations.models import ModelSpec, random_model
+
+    hf_layout = hf_cache.model_layout(random_model(ModelSpec(arch="llama", seed=1)), 16)
+    svc = ServiceProc(layout=LAYOUT, host="32MiB", staging="8MiB", timeout=2.0, lease_ttl=5.0)
+    svc.add_pool(hf_layout, name="hf", host="4MiB")
+    svc.start()
+    llm = None
+    try:
+        first = client_proc(svc.url, "hf", 75)  # the HF engine computes its prompt...
+        llm = _engine(model, svc.url)
+        p = _tokens(8, DOC) + _tokens(9, 40)
+        cold = _run(llm, p)
+        assert cold.num_cached_tokens == 0
+        assert wait_line(first, "hf", 300) == "hf 0 True"
+        again = client_proc(svc.url, "hf", 75)  # ...and a new HF process is served it
+        llm.reset_prefix_cache()
+        warm = _run(llm, p)  # while the vLLM engine is served its document
+        assert warm.num_cached_tokens == DOC
+        assert list(warm.outputs[0].token_ids) == list(cold.outputs[0].token_ids)
+        _, reused, same = wait_line(again, "hf", 300).split()
+        assert int(reused) >= 3 * 16 and same == "True"  # the prefix, bit-identical output
+        with connect(svc.url, timeout=2.0, layout=LAYOUT) as c:
+            pools = c.stats()["pools"]
+        assert pools["default"]["tiers"]["host"]["used_blocks"] == DOC // BT
+        assert pools["hf"]["tiers"]["host"]["used_blocks"] >= 4
+    finally:
+        if llm is not None:
+            _close(llm)
+        kill_spawned()
+        svc.cleanup()
