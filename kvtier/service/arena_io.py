@@ -5,9 +5,10 @@ A store asks the service to ``reserve`` slots for the new blocks of the call, co
 into its slot with the host tier's own fused copy + checksum (``codec.copy_in``) and
 ``commit``s the checksums; a load ``acquire``s the slots of the cached blocks the host tier
 holds, copies them out with the fused copy + verify (``codec.copy_out``) straight into the
-caller's array and reports how many verified (``read_done``). The copies run on a transfer
-engine (``kvtier.transfer``) over as many threads as an in-process store's, so a call costs
-what it costs in-process plus two round trips.
+caller's array and reports how many verified (``read_done``, not waited for: the service
+handles it before the session's next request). The copies run on a transfer engine
+(``kvtier.transfer``) over as many threads as an in-process store's, so a store costs what it
+costs in-process plus two round trips, a load plus one.
 
 Every function here runs under the connection's ``lock``.
 """
@@ -127,5 +128,5 @@ def load_direct(
         more = more and got == len(slots)
         # the rest, if loaded through the staging region, is counted by that load
         done = {"tid": reply["tid"], "ok": got, "asked": got if more else want}
-        conn.call_once("read_done", done, None)
+        conn.notify("read_done", done)  # on the socket thread, before our next call
     return got, more

@@ -391,6 +391,13 @@ class Connection:
         self._inflight.add(req["id"])
         return int(req["id"])
 
+    def notify(self, op: str, fields: dict[str, Any]) -> None:
+        """Send a report whose reply no one waits for (dropped when it comes), under the lock:
+        the service handles a session's requests in order, so the next call finds it done."""
+        req_id = self.send_request(op, fields, None)
+        if req_id is not None:
+            self._inflight.discard(req_id)
+
     def await_reply(self, op: str, req_id: int) -> dict[str, Any] | None:
         """The reply to a request ``_start`` sent (under the lock); ``None`` for a miss."""
         link = self._link
