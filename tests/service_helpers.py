@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +176,16 @@ def kill_spawned() -> None:
     """Kill every client process still running (a failed test leaves none behind)."""
     while SPAWNED:
         kill9(SPAWNED.pop())
+
+
+def until(cond: Callable[[], bool], timeout: float = 20.0, every: float = 0.05) -> bool:
+    """Poll ``cond`` until it holds or ``timeout`` seconds pass; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(every)
+    return cond()
 
 
 def wait_line(proc: subprocess.Popen[str], word: str, timeout: float = 30.0) -> str:

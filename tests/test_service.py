@@ -11,7 +11,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -31,19 +31,11 @@ from tests.service_helpers import (
     kill9,
     kill_spawned,
     prompt,
+    until,
     wait_line,
 )
 
 BT = LAYOUT.block_tokens
-
-
-def until(cond: Callable[[], bool], timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +36,6 @@ from tests.service_helpers import (
 BT = LAYOUT.block_tokens
 # vLLM's CPU pages of the same model: K and V side by side per head (kv_factor 1, head_dim x2)
 PAGES = KVLayout(LAYOUT.layers, LAYOUT.kv_heads, 2 * LAYOUT.head_dim, "float16", 1, BT)
-
-
-def until(cond: Callable[[], bool], timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 def stats(c: ServiceClient) -> dict[str, Any]:

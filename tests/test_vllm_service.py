@@ -10,8 +10,7 @@ is 0 and the service held nothing of it).
 from __future__ import annotations
 
 import gc
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ pytest.importorskip("zmq")
 from kvtier.layout import KVLayout
 from kvtier.service.client import connect
 from tests import vllm_helpers as H
-from tests.service_helpers import ServiceProc, client_proc, kill_spawned, wait_line
+from tests.service_helpers import ServiceProc, client_proc, kill_spawned, until, wait_line
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -49,15 +48,6 @@ def _run(llm: Any, toks: list[int], salt: str | None = None) -> Any:
     out = llm.generate([H.prompt(toks, salt)], H.greedy(8), use_tqdm=False)[0]
     assert out.outputs[0].finish_reason == "length"  # served to the end, never failed
     return out
-
-
-def _until(cond: Callable[[], bool], timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.2)
-    return cond()
 
 
 def _engine_sessions(url: str) -> list[dict[str, Any]]:
@@ -102,13 +92,15 @@ def test_service_killed_under_an_engine_is_misses_then_hits(
         llm.reset_prefix_cache()
         warm = _run(llm, p)  # the document's blocks come back from the service
         assert warm.num_cached_tokens == DOC and list(warm.outputs[0].token_ids) == ref
-        assert _until(lambda: all(s["leases"] == 0 for s in _engine_sessions(service.url)))
+        assert until(
+            lambda: all(s["leases"] == 0 for s in _engine_sessions(service.url)), 60.0, 0.2
+        )
         service.kill()  # kill -9: the engine's clients time out once, then serve misses
         llm.reset_prefix_cache()
         down = _run(llm, p)
         assert down.num_cached_tokens == 0 and list(down.outputs[0].token_ids) == ref
         service.start()  # an empty service (host tier only): the engine reconnects by itself
-        assert _until(lambda: len(_engine_sessions(service.url)) >= 2)
+        assert until(lambda: len(_engine_sessions(service.url)) >= 2, 60.0, 0.2)
         llm.reset_prefix_cache()
         again = _run(llm, p)  # computed, and stored into the new service
         assert list(again.outputs[0].token_ids) == ref
@@ -140,7 +132,9 @@ def test_two_engines_share_one_service(model: Path, service: ServiceProc) -> Non
         # every engine process has its sessions (2 x (worker + scheduler)), none holds leases
         sessions = _engine_sessions(service.url)
         assert len(sessions) == 4
-        assert _until(lambda: all(s["leases"] == 0 for s in _engine_sessions(service.url)))
+        assert until(
+            lambda: all(s["leases"] == 0 for s in _engine_sessions(service.url)), 60.0, 0.2
+        )
     finally:
         for e in (a, b):
             if e is not None:

@@ -3,8 +3,7 @@ scheduler sides over a real ``kvtier serve`` process (two ranks, leases, the ser
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,21 +26,12 @@ from kvtier.integrations.vllm.settings import parse_settings
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.layout import KVLayout
 from kvtier.service.client import connect
-from tests.service_helpers import ServiceProc
+from tests.service_helpers import ServiceProc, until
 
 BS, BT = 8, 16  # vLLM page tokens; kvtier block = 2 pages
 LAYERS, HEADS, DIM2 = 2, 2, 16
 N_PAGES = 16
 LAYOUT = KVLayout(LAYERS, HEADS, DIM2, "bfloat16", 1, BT)  # the pages' kvtier layout
-
-
-def until(cond: Callable[[], bool], timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 def _caches(seed: int) -> list[torch.Tensor]:
