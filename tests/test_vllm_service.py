@@ -57,13 +57,13 @@ def _engine_sessions(url: str) -> list[dict[str, Any]]:
     return [s for s in sessions.values() if s["name"].startswith("vllm-")]
 
 
-def _engine(model: Path, url: str, model_id: str = "tiny-svc") -> Any:
+def _engine(model: Path, url: str, model_id: str = "tiny-svc", **kw: Any) -> Any:
     cfg = {
         "store": {"block_tokens": BT, "model_id": model_id},
         "service": {"url": url, "timeout": 2.0},
     }
     ktc = H.kv_transfer(cfg, lookup_timeout_ms=3000)  # a loaded 2-core box: no false misses
-    return H.engine(model, kv_bytes=16 << 20, max_model_len=4096, kv_transfer_config=ktc)
+    return H.engine(model, kv_bytes=16 << 20, max_model_len=4096, kv_transfer_config=ktc, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -192,4 +192,38 @@ def test_a_vllm_engine_and_an_hf_engine_share_one_service(model: Path) -> None:
         if llm is not None:
             _close(llm)
         kill_spawned()
+        svc.cleanup()
+
+
+@pytest.mark.slow  # a TP=2 engine on 2 cores: ~2 min
+def test_tensor_parallel_ranks_share_one_service_apart(model: Path) -> None:
+    """Both ranks of a TP=2 engine on one service: each registers its own rank's identity (its
+    half of the KV heads: one pool, kv_heads 1), so neither is ever served the other's."""
+    half = KVLayout(
+        layers=2, kv_heads=1, head_dim=128, dtype="bfloat16", kv_factor=1, block_tokens=BT
+    )
+    svc = ServiceProc(layout=half, host="32MiB", staging="8MiB", timeout=2.0, lease_ttl=5.0)
+    svc.start()
+    llm = None
+    try:
+        llm = _engine(model, svc.url, tensor_parallel_size=2)
+        p = _tokens(10, DOC) + _tokens(11, 40)
+        cold = _run(llm, p)
+        assert cold.num_cached_tokens == 0
+        llm.reset_prefix_cache()
+        warm = _run(llm, p)  # each rank loads its own half of the heads from the service
+        assert warm.num_cached_tokens == DOC
+        assert list(warm.outputs[0].token_ids) == list(cold.outputs[0].token_ids)
+        with connect(svc.url, timeout=2.0, layout=half) as c:
+            stats = c.stats()
+        ranks = {
+            s["identity"]["tp_rank"]
+            for s in stats["service"]["sessions"].values()
+            if s["name"].startswith("vllm-")
+        }
+        assert ranks == {0, 1}
+        assert stats["tiers"]["host"]["used_blocks"] == 2 * DOC // BT  # one copy per rank
+    finally:
+        if llm is not None:
+            _close(llm)
         svc.cleanup()
