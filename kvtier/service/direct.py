@@ -149,8 +149,9 @@ class DirectStore(TieredStore):
     def reserve_may_wait(self) -> bool:
         """Whether ``reserve_store`` may block: room in the first tier may have to wait for
         its victims' demotion to a lower local tier (victims with nowhere to go are dropped
-        at once)."""
-        return self._decider.next_local(0) is not None
+        at once). Any lower local tier counts, healthy or not: one that recovers while the
+        call runs would be demoted to."""
+        return len(self._decider.local) > 1
 
     def commit_may_wait(self, res: Reservation) -> bool:
         """Whether ``commit_store(res)`` may block: it starts write-through copies to a shared

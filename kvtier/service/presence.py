@@ -15,7 +15,7 @@ Consistency: the service updates a counter under the store's lock, before the en
 readable (a key enters the index pending, then becomes readable), and after it is gone. A
 client reading the map while a key is being added may see 0 and serve a miss: the block was
 not readable yet either. The map is only offered when the service has no shared tier (a block
-absent from the node's index may still be in the pool).
+absent from the node's index may still be in that tier: Redis, Mooncake, S3).
 
 A client computes a key from its namespace's root (``kvtier.keys``), which the service tells
 it for each scope it asks about (``root`` op). The root lets a client compute only its own
