@@ -2,7 +2,8 @@
 and size, and how the default compares with the best of LRU and S3-FIFO and with Belady.
 
 Run: ``.venv/bin/python scripts/policy_basket.py [--trace T] [--policies auto,lru,s3fifo,belady]
-[--jobs 2] [--no-hints]``. Prints one line per point and a summary (docs/simulation.md).
+[--jobs 2] [--no-hints] [--seeds 0,1,2] [--requests 2000]`` (``--trace ""``: generators only).
+Prints one line per point and a summary (docs/simulation.md).
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ def main() -> None:
     ap.add_argument("--policies", default="auto,lru,s3fifo,belady")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--hints", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--seeds", default=",".join(map(str, basket.SEEDS)), help="generator seeds")
     args = ap.parse_args()
     pols = args.policies.split(",")
-    pts = basket.points(basket.sources(args.trace, args.requests), pols, [args.hints])
+    seeds = [int(x) for x in args.seeds.split(",")]
+    srcs = basket.sources(args.trace or None, args.requests, seeds)
+    pts = basket.points(srcs, pols, [args.hints])
     rows = basket.table(pts, basket.run(pts, args.jobs))
     for r in rows:
         h = r["hit"]

@@ -68,10 +68,12 @@ class Point:
     hints: bool
 
 
-def sources(trace_path: str | None, requests: int) -> list[Source]:
-    """The basket's traces: ``trace_path`` (if any) first, then every generator x seed."""
+def sources(trace_path: str | None, requests: int, seeds: Sequence[int] = SEEDS) -> list[Source]:
+    """The basket's traces: ``trace_path`` (if any) first, then every generator x seed
+    (``seeds``: the basket's own, or others to check a policy on workloads it was not
+    chosen on)."""
     out = [Source(path=trace_path)] if trace_path else []
-    return out + [Source(kind=k, seed=s, requests=requests) for k in KINDS for s in SEEDS]
+    return out + [Source(kind=k, seed=s, requests=requests) for k in KINDS for s in seeds]
 
 
 def distinct_full_blocks(trace: Trace) -> int:
