@@ -48,6 +48,12 @@ def stats(c: ServiceClient) -> dict[str, Any]:
     return out
 
 
+def _kvtier(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m kvtier.cli.main ARGS`` in a subprocess, its output captured."""
+    cmd = [sys.executable, "-m", "kvtier.cli.main", *args]
+    return subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=60)
+
+
 @pytest.fixture(autouse=True)
 def _no_client_left() -> Iterator[None]:
     yield
@@ -132,13 +138,7 @@ def test_stats_cli_shows_every_pool(service: ServiceProc) -> None:
     with connect(service.url, layout=PAGES, timeout=service.timeout) as c:
         tokens, kv = prompt(4, 2 * BT, PAGES)
         assert c.store(tokens, kv, tenant="alice") == 2 * BT
-        out = subprocess.run(
-            [sys.executable, "-m", "kvtier.cli.main", "stats", "--url", service.url],
-            env=env(),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        out = _kvtier("stats", "--url", service.url)
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "pool default: layers 2 kv_heads 2 head_dim 16 kv_factor 2" in text
@@ -256,13 +256,7 @@ def test_kvtier_serve_exits_naming_the_bad_pool() -> None:
     svc.add_pool(KVLayout(1, 2, 16, "float16", 2, BT), name="tiny", nvme="1MiB",
                  nvme_dir=f"{svc.dir}/nvme-shared")  # fmt: skip
     try:
-        out = subprocess.run(
-            [sys.executable, "-m", "kvtier.cli.main", "serve", "--config", svc.config],
-            env=env(),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        out = _kvtier("serve", "--config", svc.config)
         assert out.returncode == 2
         assert "[[pools]] #2 ('tiny'): its NVMe directory" in out.stderr
         assert "is also [[pools]] #1 ('vllm')'s" in out.stderr
