@@ -58,7 +58,11 @@ class ServiceStore(DirectStore):
             for tier in store.tiers:
                 tier.label = f"{label}/{tier.name}"
         if presence_path is not None and not store._shared:
-            store._watch(presence_path, gid)
+            try:
+                store._watch(presence_path, gid)
+            except BaseException:  # e.g. /dev/shm full: the store's arena goes with it
+                store.close()
+                raise
         return store
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
