@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvtier.cli import plan_trace
 from kvtier.cli.main import main
 from kvtier.errors import ConfigError
 from kvtier.sim import sizing
@@ -262,7 +263,7 @@ def test_a_cluster_plan_is_the_cheapest_grid_configuration() -> None:
         model="Llama-3.1-8B", dtype="bf16", gpus=1, weights_bytes=None, weights_dtype="bf16",
         gpu_memory="80GB", policy="lru", dram="20GB", nvme="0", pool="60GB", nodes=3, route="rr",
     )  # fmt: skip
-    hier, max_blocks, _ = sizing.search_space(ns, trace)
+    hier, max_blocks, _ = plan_trace.search_space(ns, trace)
     assert [t.name for t in hier.tiers] == ["hbm", "dram", "pool"] and hier.nodes == 3
     bb = hier.block_bytes
 
@@ -309,7 +310,7 @@ def test_a_cache_routed_cluster_is_sized_by_replay() -> None:
         gpu_memory="80GB", policy="lru", dram="20GB", nvme="0", pool="60GB", nodes=3,
         route="cache",
     )  # fmt: skip
-    hier, max_blocks, _ = sizing.search_space(ns, trace)
+    hier, max_blocks, _ = plan_trace.search_space(ns, trace)
     bb = hier.block_bytes
     top = sizing.exact_p90(trace, sizing.sized(hier, tuple(m * bb for m in max_blocks)))[0]
     longest = max(len(r.blocks) for r in trace.requests)

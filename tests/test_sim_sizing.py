@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvtier.cli import plan_trace
 from kvtier.cli.main import main
 from kvtier.sim import sizing
 from kvtier.sim.hierarchy import Hierarchy
@@ -37,7 +38,7 @@ def space(trace: Trace, policy: str = "lru") -> tuple[Hierarchy, list[int]]:
         nodes=1,
         route="rr",
     )
-    hier, max_blocks, _ = sizing.search_space(ns, trace)
+    hier, max_blocks, _ = plan_trace.search_space(ns, trace)
     return hier, max_blocks
 
 

@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool", default="0", help="cluster-shared pool available for KV")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     with contextlib.suppress(ImportError):  # the simulator is optional
-        importlib.import_module("kvtier.sim.sizing").add_trace_arguments(p)
+        importlib.import_module("kvtier.cli.plan_trace").add_trace_arguments(p)
 
 
 def _layout(args: argparse.Namespace) -> tuple[KVLayout, int, str]:
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
             )
         return 0
     if getattr(args, "trace", None):
-        rc: int = importlib.import_module("kvtier.sim.sizing").run_trace_plan(args)
+        rc: int = importlib.import_module("kvtier.cli.plan_trace").run_trace_plan(args)
         return rc
     layout, params, name = _layout(args)
     if args.weights_bytes is not None:
