@@ -1,4 +1,5 @@
-"""``kvtier plan --trace FILE --slo-ttft-p90 S``: the cheapest tier sizes whose TTFT p90 meets S.
+"""The sizing search behind ``kvtier plan --trace FILE --slo-ttft-p90 S`` (its options and
+output: ``kvtier.cli.plan_trace``): the cheapest tier sizes whose TTFT p90 meets S.
 
 The search, in two stages:
 
@@ -10,15 +11,14 @@ The search, in two stages:
    first) are walked cheapest first; one whose estimated p90 is within ``--screen-margin`` of the
    SLO is replayed exactly and priced (``kvtier.sim.cost``); the first that meets the SLO is the
    answer so far, so the result always comes from a real replay. The margin lets a policy better
-   than LRU (the default) pass configurations LRU would miss. Once an answer is found, the walk goes
-   on over the admitted configurations cheaper than it, most promising (lowest estimate) first: a
-   cheaper one that meets the SLO becomes the answer, and the walk starts again below it. (Cheapest
-   first, the budget went on the sizes least likely to meet the SLO: 40 replays missed the Mooncake
-   1.5 s plan's $4,941, which this order finds in 4.) When no admitted configuration cheaper than
-   the answer is left, the margin doubles (or grows to the most the policy has beaten the estimate
-   by in the replays so far, if that is more), up to ``REFINE_MARGIN``, and the walk goes on. (On
-   the Mooncake trace with Llama-3.1-70B and a 1 s SLO, S3-FIFO meets it with 2.2 TB of DRAM, whose
-   LRU estimate is 1.17 s; stopping at the first answer chose 4 TB, at 1.7x the monthly cost.) For
+   than LRU (the default) pass configurations LRU would miss. Once an answer is found, the walk
+   goes on over the admitted configurations cheaper than it, most promising (lowest estimate)
+   first: a cheaper one that meets the SLO becomes the answer, and the walk starts again below it.
+   (Walked cheapest first, the budget would go on the sizes least likely to meet the SLO.) When no
+   admitted configuration cheaper than the answer is left, the margin doubles (or grows to the most
+   the policy has beaten the estimate by in the replays so far, if that is more), up to
+   ``REFINE_MARGIN``, and the walk goes on. (A policy that beats the LRU estimate by more than the
+   margin meets the SLO at sizes the first walk did not replay; docs/simulation.md has a case.) For
    LRU the estimate is exact, so its margin stays 0 and the first answer is the cheapest. When no
    admitted candidate meets the SLO but the largest configuration does, the margin doubles the same
    way, and the largest configuration is the answer of last resort. (A policy other than LRU is not
@@ -61,10 +61,8 @@ from kvtier.sim.trace import Trace
 DEFAULT_MARGIN = 0.01
 #: the screen widens (doubling) up to this margin while no admitted candidate meets the SLO
 MAX_MARGIN = 0.64
-#: once one does, up to this margin to look for a cheaper answer (on the Mooncake trace with a
-#: 1 s SLO and 4 TB of DRAM, S3-FIFO's p90 at the cheapest answer was 0.994 s against an LRU
-#: estimate of 1.17 s, 18% more: 0.32 found it in 12 replays, 0.64 took 129, 0.16 missed it;
-#: with density, a later default, 0.32 found $10,362 in 22, 0.64 the same in 140, 0.16 $11,167)
+#: once one does, up to this margin to look for a cheaper answer (wider finds more and costs
+#: more replays; docs/simulation.md, "Speed and sizing")
 REFINE_MARGIN = 0.32
 I64 = npt.NDArray[np.int64]
 
