@@ -2,7 +2,9 @@
 and size, and how the default compares with the best of LRU and S3-FIFO and with Belady.
 
 Run: ``.venv/bin/python scripts/policy_basket.py [--trace T] [--policies auto,lru,s3fifo,belady]
-[--jobs 2] [--no-hints] [--seeds 0,1,2] [--requests 2000]`` (``--trace ""``: generators only).
+[--jobs 2] [--no-hints] [--seeds 0,1,2] [--requests 2000] [--host-share 0.25] [--lower P]
+[--hierarchy-only]`` (``--trace ""``: generators only; ``--lower P``: the tiers below the first
+run policy ``P`` whatever the row's policy, to compare per-tier choices).
 Prints one line per point and a summary (docs/simulation.md).
 """
 
@@ -24,11 +26,21 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--hints", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--seeds", default=",".join(map(str, basket.SEEDS)), help="generator seeds")
+    ap.add_argument(
+        "--host-share",
+        type=float,
+        default=basket.HOST_SHARE,
+        help="host tier as a share of the NVMe tier (host + NVMe points)",
+    )
+    ap.add_argument("--lower", default="", help="policy of the tiers below the first")
+    ap.add_argument("--hierarchy-only", action="store_true", help="host + NVMe points only")
     args = ap.parse_args()
     pols = args.policies.split(",")
-    seeds = [int(x) for x in args.seeds.split(",")]
+    seeds = [int(x) for x in args.seeds.split(",") if x]  # "": the trace only
     srcs = basket.sources(args.trace or None, args.requests, seeds)
-    pts = basket.points(srcs, pols, [args.hints])
+    pts = basket.points(srcs, pols, [args.hints], args.host_share, args.lower)
+    if args.hierarchy_only:
+        pts = [p for p in pts if len(p.caps) > 1]
     rows = basket.table(pts, basket.run(pts, args.jobs))
     for r in rows:
         h = r["hit"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import random
+from dataclasses import replace
 from itertools import pairwise
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 
 from kvtier.cli.main import main
 from kvtier.policy import DEFAULT_POLICY, POLICIES
+from kvtier.sim import basket
 from kvtier.sim.replay import TierSpec, replay
 from kvtier.sim.trace import Request, Trace, TraceError, iter_trace, read_trace, write_trace
 from kvtier.sim.workload import generate
@@ -316,6 +318,28 @@ def test_cli_basket_sweeps_every_workload_and_size(capsys: pytest.CaptureFixture
     assert {len(r["caps"]) for r in out["rows"]} == {1, 2}
     assert out["summary"][0]["policy"] == "lru"
     assert all(0.0 <= r["hit"]["lru"] <= 1.0 for r in out["rows"])
+
+
+def test_basket_host_share_and_lower_policy_shape_the_hierarchy_points() -> None:
+    """Other host shares size the host tier; ``lower`` sets only the tiers below the first, and
+    replaying with it gives what the per-tier policies give in a replay of their own."""
+    src = basket.Source(kind="chat", seed=0, requests=80)
+    for share in (0.125, 0.5):
+        pts = basket.points([src], ["s3fifo"], [False], share, "lru")
+        two = [p for p in pts if len(p.caps) == 2]
+        assert len(two) == len(basket.FRACTIONS)
+        assert all(p.caps[0] == max(1, round(share * p.caps[1])) for p in two)
+        assert {p.lower for p in pts if len(p.caps) == 1} == {""}
+        assert {p.lower for p in two} == {"lru"}
+    p = two[-1]
+    tiers = [TierSpec("t0", p.caps[0], "s3fifo"), TierSpec("t1", p.caps[1], "lru")]
+    mixed = replay(src.load(), tiers, hints=False).token_hit_ratio
+    assert basket.run_point(p) == mixed
+    uniform = replay(src.load(), [replace(t, policy="s3fifo") for t in tiers], hints=False)
+    assert mixed != uniform.token_hit_ratio  # the point tells the two apart
+    assert basket.run_point(replace(p, lower="")) == uniform.token_hit_ratio
+    with pytest.raises(ValueError, match="host_share"):
+        basket.sizes(src.load(), 0.0)
 
 
 @pytest.mark.parametrize(

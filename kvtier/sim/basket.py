@@ -7,8 +7,9 @@
   generator of ``kvtier.sim.workload`` (chat, system-prompt, rag, agent, mixed) with seeds
   0, 1, 2 (``--requests`` requests each);
 * **sizes** -- ``FRACTIONS`` of the trace's distinct full blocks (1% to 50%), each as one tier
-  of that many blocks and as host + NVMe: a host tier of a quarter of it above an NVMe tier of
-  it (inclusive: the NVMe tier holds what the host tier demoted);
+  of that many blocks and as host + NVMe: a host tier of ``HOST_SHARE`` of it (a quarter; other
+  shares check shapes the default was not chosen on) above an NVMe tier of it (inclusive: the
+  NVMe tier holds what the host tier demoted);
 * **hints** on or off, as the command says.
 
 Each point is one exact replay (``kvtier.sim.replay``, the store's own decisions), so a row is
@@ -59,13 +60,15 @@ class Source:
 
 @dataclass(frozen=True, slots=True)
 class Point:
-    """One replay of the basket: a trace, sizes (blocks, fastest first), a policy, hints."""
+    """One replay of the basket: a trace, sizes (blocks, fastest first), a policy, hints;
+    ``lower``, if given, is the policy of the tiers below the first (``[[tiers]] policy``)."""
 
     source: Source
     fraction: float
     caps: tuple[int, ...]
     policy: str
     hints: bool
+    lower: str = ""
 
 
 def sources(trace_path: str | None, requests: int, seeds: Sequence[int] = SEEDS) -> list[Source]:
@@ -82,13 +85,16 @@ def distinct_full_blocks(trace: Trace) -> int:
     return len({k for r in trace.requests for k in r.blocks[: r.input_length // bt]})
 
 
-def sizes(trace: Trace) -> list[tuple[float, tuple[int, ...]]]:
-    """(fraction, caps) of every size of the basket for ``trace``: one tier and host + NVMe."""
+def sizes(trace: Trace, host_share: float = HOST_SHARE) -> list[tuple[float, tuple[int, ...]]]:
+    """(fraction, caps) of every size of the basket for ``trace``: one tier and host + NVMe
+    (the host tier ``host_share`` of the NVMe tier)."""
+    if not 0 < host_share <= 1:
+        raise ValueError(f"host_share must be in (0, 1], got {host_share}")
     n = max(1, distinct_full_blocks(trace))
     out: list[tuple[float, tuple[int, ...]]] = []
     for f in FRACTIONS:
         c = max(1, round(f * n))
-        out += [(f, (c,)), (f, (max(1, round(HOST_SHARE * c)), c))]
+        out += [(f, (c,)), (f, (max(1, round(host_share * c)), c))]
     return out
 
 
@@ -104,20 +110,28 @@ def _trace(src: Source) -> Trace:
 
 def run_point(p: Point) -> float:
     """The token hit ratio of one basket point (an exact replay)."""
-    tiers = [TierSpec(f"t{i}", c, p.policy) for i, c in enumerate(p.caps)]
+    tiers = [
+        TierSpec(f"t{i}", c, p.lower if i and p.lower else p.policy) for i, c in enumerate(p.caps)
+    ]
     return replay(_trace(p.source), tiers, hints=p.hints).token_hit_ratio
 
 
-def points(srcs: Sequence[Source], policies: Sequence[str], hints: Sequence[bool]) -> list[Point]:
-    """Every (trace, size, policy, hints) of the basket, longest replays first."""
-    out = [
-        Point(src, f, caps, pol, h)
+def points(
+    srcs: Sequence[Source],
+    policies: Sequence[str],
+    hints: Sequence[bool],
+    host_share: float = HOST_SHARE,
+    lower: str = "",
+) -> list[Point]:
+    """Every (trace, size, policy, hints) of the basket (host + NVMe with the host tier
+    ``host_share`` of the NVMe tier; ``lower``: see ``Point``)."""
+    return [
+        Point(src, f, caps, pol, h, lower if len(caps) > 1 else "")
         for src in srcs
-        for f, caps in sizes(_trace(src))
+        for f, caps in sizes(_trace(src), host_share)
         for pol in policies
         for h in hints
     ]
-    return out
 
 
 def run(
