@@ -190,6 +190,20 @@ def test_s3fifo_ghost_remembers_the_last_capacity_of_drops() -> None:
     assert len(p._ghost) <= 2 * ghost_len + 1
 
 
+def test_auto_s3fifo_ranking_remembers_what_lru_evicted() -> None:
+    """While LRU ranks, its victims enter the S3-FIFO ranking's ghost list: one written again
+    soon skips probation there (as under S3-FIFO alone), one never dropped does not."""
+    p: Auto[int] = Auto(10)
+    p._shadows[0].hits = 1  # LRU's shadow ahead: LRU ranks
+    p.insert(list(range(10)))
+    victims = p.evict(3, always)
+    assert victims == [9, 8, 7]  # LRU: the least recent end (a chain's leaf first)
+    assert all(v not in p and v not in p._s3 for v in victims)
+    p._shadows[1].hits = 2  # S3-FIFO's shadow ahead
+    p.insert([9, 100])
+    assert 9 in p._s3._main and 100 in p._s3._small
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_auto_ranks_one_resident_set_twice(seed: int) -> None:
     """Whichever ranking evicts, the other forgets the victims: both always hold the policy's

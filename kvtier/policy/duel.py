@@ -7,7 +7,11 @@ and lets the tier's traffic decide, with no constant to tune:
 
 * **Two real rankings.** An ``LRU`` and an ``S3FIFO`` each track the tier's resident keys (every
   ``insert``/``access``/``refresh``/``remove`` goes to both). ``evict`` asks the current winner
-  for its victims and takes them out of the other too, so both always rank the same set.
+  for its victims and takes them out of the other too, so both always rank the same set. The
+  S3-FIFO ranking remembers LRU's victims in its ghost list as it does its own
+  (``S3FIFO.evicted``): a block dropped while LRU ranked and soon written again enters ``main``,
+  as it would have under S3-FIFO alone, instead of being lost again from probation after the
+  ranking switches back.
 * **Two shadows.** A second ``LRU`` and ``S3FIFO`` of the tier's capacity simulate the same
   references on keys only (no data): each call's keys are a reference; a key a shadow holds is a
   hit *for that shadow*. The winner is the shadow with more hits so far (S3-FIFO on a tie).
@@ -127,11 +131,15 @@ class Auto(EvictionPolicy[K]):
             self._s3.remove(key)
 
     def evict(self, n: int, evictable: Callable[[K], bool]) -> list[K] | None:
-        win, other = (self._lru, self._s3) if self._lru_wins() else (self._s3, self._lru)
-        victims = win.evict(n, evictable)
+        if not self._lru_wins():
+            victims = self._s3.evict(n, evictable)
+            if victims:
+                for k in victims:
+                    self._lru.remove(k)
+            return victims
+        victims = self._lru.evict(n, evictable)
         if victims:
-            for k in victims:
-                other.remove(k)
+            self._s3.evicted(victims)  # its ghost remembers them (module docstring)
         return victims
 
     def describe(self) -> dict[str, Any]:

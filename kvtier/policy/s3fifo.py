@@ -151,10 +151,28 @@ class S3FIFO(EvictionPolicy[K]):
             victims.append(k)
             skip_small = skip_main = 0
         self._drops = drops
-        if len(ghost) > 2 * self._ghost_cap:
-            live = max(drops - self._ghost_cap, 0)
-            self._ghost = {k: d for k, d in ghost.items() if d > live}
+        self._trim_ghost()
         return victims
+
+    def evicted(self, keys: Sequence[K]) -> None:
+        """``keys`` were evicted from the tier by another ranking (``kvtier.policy.duel``):
+        forget them and remember them in the ghost list, as if this policy had dropped them, so
+        one that comes back soon enters ``main`` here too."""
+        ghost = self._ghost
+        drops = self._drops
+        for k in keys:
+            if k in self._freq:
+                self.remove(k)
+                drops += 1
+                ghost[k] = drops
+        self._drops = drops
+        self._trim_ghost()
+
+    def _trim_ghost(self) -> None:
+        """Clear stale ghost entries in bulk once the dict is twice the live list's length."""
+        if len(self._ghost) > 2 * self._ghost_cap:
+            live = max(self._drops - self._ghost_cap, 0)
+            self._ghost = {k: d for k, d in self._ghost.items() if d > live}
 
     def describe(self) -> dict[str, Any]:
         """Queue sizes (``TieredStore.stats()["policies"]``)."""
