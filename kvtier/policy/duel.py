@@ -29,7 +29,8 @@ makes an ``Auto`` judge as a lower tier.
 
 Memory: the shadows hold keys only, a few hundred bytes per block of the tier's capacity (a block
 of KV is kilobytes to megabytes). Work: about three times S3-FIFO's per call. Prefix-aware as its
-parts (``kvtier.policy.base``). Reuse-class hints are ignored.
+parts (``kvtier.policy.base``). Reuse-class hints are ignored. What was tried against the
+misses left and not kept: ``docs/policy-experiments.md``.
 """
 
 from __future__ import annotations
