@@ -162,6 +162,27 @@ def test_tiers_split_the_hits_and_demote() -> None:
     assert 0 < two.written_blocks[1] <= two.evicted_blocks[0]
 
 
+def test_replay_reports_which_ranking_auto_ended_on(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each tier's policy state at the end (``describe``): for ``auto`` the ranking that evicts
+    and each shadow's hits, what a user reads before overriding one tier's policy. The two
+    workloads are the ones ``auto`` exists for, each far from a tie: RAG documents flood a small
+    cache (S3-FIFO keeps the shared prefixes), chat turns come back after S3-FIFO's probation."""
+    for kind, share, want in (("rag", 0.01, "s3fifo"), ("chat", 0.1, "lru")):
+        trace = generate(kind, 2000, 0)
+        cap = round(share * basket.distinct_full_blocks(trace))
+        res = replay(trace, [TierSpec("host", cap, "auto"), TierSpec("nvme", 4 * cap, "lru")])
+        top, below = res.policy_state
+        assert top["ranking"] == want, (kind, top)
+        other = "lru" if want == "s3fifo" else "s3fifo"
+        assert top[f"{want}_shadow_hits"] > top[f"{other}_shadow_hits"]
+        assert below == {}  # LRU learns nothing
+    args = ["simulate", "--synthetic", "rag", "--requests", "300", "--capacity-blocks", "40"]
+    assert main([*args, "--json"]) == 0
+    state = json.loads(capsys.readouterr().out)["tiers"][0]["policy_state"]
+    assert main(args) == 0
+    assert f"auto ({state['ranking']})" in capsys.readouterr().out  # the table's policy column
+
+
 @pytest.mark.parametrize(
     ("line", "needle"),
     [

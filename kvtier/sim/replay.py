@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -75,6 +76,9 @@ class ReplayResult:
     node_of: npt.NDArray[np.int64] | None = None
     shared_from: int | None = None
     route: str = ""
+    #: per tier, what its policy learned by the end (``EvictionPolicy.describe``: for ``auto``
+    #: the ranking that evicts and each shadow's hits); empty for a cluster and for empty tiers
+    policy_state: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def token_hit_ratio(self) -> float:
@@ -153,7 +157,18 @@ def replay(
         block_hits=block_hits,
         block_refs=trace.block_events,
         hints=hints,
+        policy_state=_states(store, live, n_tiers),
     )
+
+
+def _states(store: ModelStore, live: list[int], n: int) -> list[dict[str, Any]]:
+    """``describe()`` of each live tier's policy at its place among all ``n`` tiers."""
+    out: list[dict[str, Any]] = [{} for _ in range(n)]
+    if live:
+        for t, pol in zip(live, store.index.policies, strict=False):
+            if pol is not None:
+                out[t] = pol.describe()
+    return out
 
 
 def _spread(counts: list[int], live: list[int], n: int) -> list[int]:

@@ -64,6 +64,7 @@ def summarize(trace: Trace, hier: Hierarchy, res: ReplayResult) -> dict[str, Any
             {
                 "name": tier.name,
                 "policy": spec.policy,
+                "policy_state": res.policy_state[t] if res.policy_state else {},
                 "capacity_bytes": tier.capacity_bytes,
                 "capacity_blocks": spec.capacity_blocks,
                 "copies": copies,
@@ -152,9 +153,10 @@ def render(summary: dict[str, Any], title: str = "kvtier simulate") -> str:
     for col in ("tier", "policy", "capacity", "blocks", "hit ratio", "read", "written", "$/month"):
         table.add_column(col, justify="right")
     for t in summary["tiers"]:
+        ranking = t.get("policy_state", {}).get("ranking")
         table.add_row(
             t["name"],
-            t["policy"],
+            t["policy"] + (f" ({ranking})" if ranking else ""),
             (f"{t['copies']}x " if t["copies"] > 1 else "") + _gb(t["capacity_bytes"]),
             str(t["capacity_blocks"]),
             f"{t['token_hit_ratio']:.3f}",
