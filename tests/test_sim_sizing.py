@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import random
@@ -128,11 +129,38 @@ def test_cli_json(tmp_path: Path, trace: Trace, capsys: pytest.CaptureFixture[st
     chosen = out["chosen_bytes"]
     assert isinstance(chosen, dict) and set(chosen) == {"hbm", "dram", "nvme"}
     assert chosen["hbm"] > 0
-    for key in ("token_hit_ratio", "monthly_cost_usd", "assumptions", "search", "tiers"):
+    for key in (
+        "token_hit_ratio",
+        "monthly_cost_usd",
+        "assumptions",
+        "search",
+        "tiers",
+        "lower_policy_check",
+    ):
         assert key in out
     assert out["monthly_cost_usd"] == pytest.approx(
         sum(c / 1e9 * {"hbm": 15, "dram": 4, "nvme": 0.08}[n] for n, c in chosen.items())
     )
+
+
+def test_the_answer_is_checked_with_each_policy_below_the_first(trace: Trace) -> None:
+    """``lower_policy_check`` replays an answer's sizes with every lower tier run by LRU, then by
+    S3-FIFO, skipping the one they already run; each row is that configuration's own replay."""
+    hier, max_blocks = space(trace, "auto")
+    caps = (hier.block_bytes * max_blocks[0], hier.block_bytes * 40, hier.block_bytes * 200)
+    rows = sizing.lower_policy_check(trace, sizing.sized(hier, caps))
+    assert [r["lower_policy"] for r in rows] == ["lru", "s3fifo"]
+    for r in rows:
+        tiers = sizing.sized(hier, caps).tiers
+        alt = hier.with_tiers(
+            [tiers[0], *(dataclasses.replace(t, policy=r["lower_policy"]) for t in tiers[1:])]
+        )
+        p90, res = sizing.exact_p90(trace, alt)
+        assert r["ttft_p90_s"] == p90 and r["token_hit_ratio"] == res.token_hit_ratio
+    lru_hier, _ = space(trace, "lru")
+    rows = sizing.lower_policy_check(trace, sizing.sized(lru_hier, caps))
+    assert [r["lower_policy"] for r in rows] == ["s3fifo"]  # LRU below already
+    assert sizing.lower_policy_check(trace, sizing.sized(hier, (caps[0], 0, 0))) == []
 
 
 def test_cli_impossible_slo(

@@ -17,7 +17,7 @@ from kvtier.sim.hierarchy import DEFAULT_MODEL, ROUTES, Hierarchy, SimTier
 from kvtier.sim.options import add_hints_argument, add_jobs_argument, jobs_from
 from kvtier.sim.replay import SIM_POLICIES
 from kvtier.sim.report import render
-from kvtier.sim.sizing import DEFAULT_MARGIN, search
+from kvtier.sim.sizing import DEFAULT_MARGIN, lower_policy_check, search, sized
 from kvtier.sim.trace import Trace, read_trace
 
 
@@ -188,6 +188,8 @@ def run_trace_plan(args: argparse.Namespace) -> int:
             "replays, the budget; cheaper configurations the policy might meet were left "
             "untried: --max-replays checks more)"
         )
+    checks = lower_policy_check(trace, sized(hier, caps), args.hints) if feasible else []
+    summary["lower_policy_check"] = checks
     if args.json:
         print(json.dumps(summary, indent=1))
     else:
@@ -198,4 +200,10 @@ def run_trace_plan(args: argparse.Namespace) -> int:
         print(summary.get("message", head))
         if feasible:
             print(render(summary, title="kvtier plan"))
+        for c in checks:
+            print(
+                f"the same sizes with policy = {c['lower_policy']!r} below the first tier: TTFT "
+                f"p90 {c['ttft_p90_s']:.3f} s (here {summary['ttft_s']['p90']:.3f}), token hit "
+                f"ratio {c['token_hit_ratio']:.4f} (here {summary['token_hit_ratio']:.4f})"
+            )
     return 0 if feasible else 1

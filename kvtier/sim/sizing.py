@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvtier.policy import POLICIES
 from kvtier.sim.cluster import replay_cluster
 from kvtier.sim.clusterstack import cluster_profile, estimate_cluster_hits
 from kvtier.sim.cost import price
@@ -120,6 +121,34 @@ def replay_p90(trace: Trace, hier: Hierarchy, hints: bool) -> tuple[float, dict[
     back: the report of the chosen sizes needs no replay of its own)."""
     p90, res = exact_p90(trace, hier, hints)
     return p90, summarize(trace, hier, res)
+
+
+#: the per-tier alternatives ``lower_policy_check`` replays below the first tier
+LOWER_ALTERNATIVES = ("lru", "s3fifo")
+
+
+def lower_policy_check(trace: Trace, hier: Hierarchy, hints: bool = True) -> list[dict[str, Any]]:
+    """Replay ``hier`` (an answer's sizes) again with every tier below the first run by each
+    of ``LOWER_ALTERNATIVES`` not already running all of them: ``{"lower_policy", "ttft_p90_s",
+    "token_hit_ratio"}`` each. ``auto`` judges a lower tier on the lookups that reach it, not on
+    what the tier is given, and can choose the worse ranking there (docs/simulation.md); the
+    answer's sizes with a per-tier ``policy`` may do better. Empty for one tier, and when the
+    first tier runs a simulator-only policy (``belady``: a reference, not a configuration)."""
+    if len(hier.tiers) < 2 or hier.tiers[0].policy.lower() not in POLICIES:
+        return []
+    out = []
+    for pol in LOWER_ALTERNATIVES:
+        if all(t.policy == pol for t in hier.tiers[1:]):
+            continue
+        alt = hier.with_tiers(
+            [
+                hier.tiers[0],
+                *(SimTier(t.name, t.capacity_bytes, pol, t.cost) for t in hier.tiers[1:]),
+            ]
+        )
+        p90, res = exact_p90(trace, alt, hints)
+        out.append({"lower_policy": pol, "ttft_p90_s": p90, "token_hit_ratio": res.token_hit_ratio})
+    return out
 
 
 def grid(max_blocks: int, points: int, lo: int = 1) -> list[int]:
