@@ -266,6 +266,25 @@ def test_cli_bad_tier_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> No
     assert "tape" in capsys.readouterr().err
 
 
+def test_a_tier_flag_may_name_its_own_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--tier NAME=SIZE:POLICY`` runs that tier by POLICY, the others by ``--policy``: the
+    replay is the one a ``[[tiers]]`` table with ``policy`` gives; an unknown one is an error
+    naming the flag."""
+    base = ["simulate", "--synthetic", "rag", "--requests", "300", "--json"]
+    assert main([*base, "--tier", "hbm=20GB", "--tier", "dram=80GB:lru"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [t["policy"] for t in out["tiers"]] == ["auto", "lru"]
+    caps = [t["capacity_blocks"] for t in out["tiers"]]
+    want = replay(
+        generate("rag", 300, 0),
+        [TierSpec("hbm", caps[0], "auto"), TierSpec("dram", caps[1], "lru")],
+    )
+    assert out["token_hit_ratio"] == want.token_hit_ratio
+    assert main([*base, "--tier", "hbm=20GB", "--tier", "dram=80GB:fifo"]) == 2
+    err = capsys.readouterr().err
+    assert "dram=80GB:fifo" in err and "fifo" in err and "lru" in err
+
+
 def test_write_trace_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A failed save leaves the old file as it was and no temporary file; a good one replaces it."""
     import kvtier.sim.trace as trace_mod

@@ -44,8 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tier",
         action="append",
         default=[],
-        metavar="NAME=SIZE",
-        help="a tier, fastest first (hbm, dram, nvme, pool, object), e.g. dram=1TB",
+        metavar="NAME=SIZE[:POLICY]",
+        help="a tier, fastest first (hbm, dram, nvme, pool, object), e.g. dram=1TB; "
+        "nvme=16TB:lru gives it its own eviction policy",
     )
     p.add_argument(
         "--capacity-blocks", type=int, metavar="N", help="one tier of N blocks (overrides --tier)"

@@ -174,10 +174,20 @@ def tier_cost_or_zero(name: str) -> TierCost:
 
 
 def parse_tier_flag(text: str, policy: str) -> SimTier:
-    """``"dram=1TB"`` -> a tier named ``dram`` of 10**12 bytes with default costs."""
-    name, sep, size = text.partition("=")
+    """``"dram=1TB"`` -> a tier named ``dram`` of 10**12 bytes with default costs, run by
+    ``policy``; ``"nvme=16TB:lru"`` gives that tier its own policy (a ``[[tiers]]`` table's
+    ``policy``)."""
+    name, sep, rest = text.partition("=")
     if not sep or not name.strip():
-        raise ConfigError(f"--tier {text!r}: write NAME=SIZE, e.g. --tier dram=1TB")
+        raise ConfigError(f"--tier {text!r}: write NAME=SIZE[:POLICY], e.g. --tier dram=1TB")
+    size, _, own = rest.partition(":")
+    if own.strip():
+        policy = own.strip()
+        if policy.lower() not in SIM_POLICIES:
+            raise ConfigError(
+                f"--tier {text!r}: policy {policy!r} is unknown; choose one of "
+                f"{', '.join(SIM_POLICIES)}"
+            )
     return make_tier(name.strip(), size.strip(), policy)
 
 
