@@ -3,7 +3,8 @@ and size, and how the default compares with the best of LRU and S3-FIFO and with
 
 Run: ``.venv/bin/python scripts/policy_basket.py [--trace T] [--policies auto,lru,s3fifo,belady]
 [--jobs 2] [--no-hints] [--seeds 0,1,2] [--requests 2000] [--host-share 0.25] [--lower P]
-[--hierarchy-only]`` (``--trace ""``: generators only; ``--lower P``: the tiers below the first
+[--hierarchy-only] [--blocks 300,500]`` (``--trace ""``: generators only; ``--blocks``: sizes
+in blocks instead of the basket's fractions; ``--lower P``: the tiers below the first
 run policy ``P`` whatever the row's policy, to compare per-tier choices).
 Prints one line per point and a summary (docs/simulation.md).
 """
@@ -33,12 +34,18 @@ def main() -> None:
         help="host tier as a share of the NVMe tier (host + NVMe points)",
     )
     ap.add_argument("--lower", default="", help="policy of the tiers below the first")
+    ap.add_argument(
+        "--blocks",
+        default="",
+        help="sizes in blocks instead of the basket's fractions, e.g. 300,500,800 (held-out sizes)",
+    )
     ap.add_argument("--hierarchy-only", action="store_true", help="host + NVMe points only")
     args = ap.parse_args()
     pols = args.policies.split(",")
     seeds = [int(x) for x in args.seeds.split(",") if x]  # "": the trace only
     srcs = basket.sources(args.trace or None, args.requests, seeds)
-    pts = basket.points(srcs, pols, [args.hints], args.host_share, args.lower)
+    blocks = [int(x) for x in args.blocks.split(",") if x]
+    pts = basket.points(srcs, pols, [args.hints], args.host_share, args.lower, blocks)
     if args.hierarchy_only:
         pts = [p for p in pts if len(p.caps) > 1]
     rows = basket.table(pts, basket.run(pts, args.jobs))

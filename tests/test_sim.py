@@ -382,6 +382,20 @@ def test_basket_host_share_and_lower_policy_shape_the_hierarchy_points() -> None
         basket.sizes(src.load(), 0.0)
 
 
+def test_basket_sizes_in_blocks_replace_the_fractions() -> None:
+    """``blocks`` (held-out sizes between the basket's): one tier and host + NVMe of each size,
+    the fraction each is of the trace's distinct blocks; a size below one block is an error."""
+    trace = generate("rag", 100, 0)
+    n = basket.distinct_full_blocks(trace)
+    got = basket.sizes(trace, 0.5, [7, 40])
+    assert got == [(7 / n, (7,)), (7 / n, (4, 7)), (40 / n, (40,)), (40 / n, (20, 40))]
+    src = basket.Source(kind="rag", seed=0, requests=100)
+    pts = basket.points([src], ["lru"], [False], 0.5, blocks=[7, 40])
+    assert [p.caps for p in pts] == [c for _, c in got]
+    with pytest.raises(ValueError, match="blocks"):
+        basket.sizes(trace, 0.5, [0])
+
+
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [([], "add --sweep"), (["--sweep", "--tier", "hbm=1GB"], "chooses its own")],

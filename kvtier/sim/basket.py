@@ -85,15 +85,21 @@ def distinct_full_blocks(trace: Trace) -> int:
     return len({k for r in trace.requests for k in r.blocks[: r.input_length // bt]})
 
 
-def sizes(trace: Trace, host_share: float = HOST_SHARE) -> list[tuple[float, tuple[int, ...]]]:
+def sizes(
+    trace: Trace, host_share: float = HOST_SHARE, blocks: Sequence[int] = ()
+) -> list[tuple[float, tuple[int, ...]]]:
     """(fraction, caps) of every size of the basket for ``trace``: one tier and host + NVMe
-    (the host tier ``host_share`` of the NVMe tier)."""
+    (the host tier ``host_share`` of the NVMe tier). The sizes are ``FRACTIONS`` of the
+    trace's distinct full blocks, or ``blocks`` (sizes in blocks, to check sizes between)."""
     if not 0 < host_share <= 1:
         raise ValueError(f"host_share must be in (0, 1], got {host_share}")
+    if any(b < 1 for b in blocks):
+        raise ValueError(f"blocks must be >= 1, got {list(blocks)}")
     n = max(1, distinct_full_blocks(trace))
+    caps = list(blocks) or [max(1, round(f * n)) for f in FRACTIONS]
     out: list[tuple[float, tuple[int, ...]]] = []
-    for f in FRACTIONS:
-        c = max(1, round(f * n))
+    for c in caps:
+        f = c / n
         out += [(f, (c,)), (f, (max(1, round(host_share * c)), c))]
     return out
 
@@ -122,13 +128,14 @@ def points(
     hints: Sequence[bool],
     host_share: float = HOST_SHARE,
     lower: str = "",
+    blocks: Sequence[int] = (),
 ) -> list[Point]:
     """Every (trace, size, policy, hints) of the basket (host + NVMe with the host tier
-    ``host_share`` of the NVMe tier; ``lower``: see ``Point``)."""
+    ``host_share`` of the NVMe tier; ``lower``: see ``Point``; ``blocks``: see ``sizes``)."""
     return [
         Point(src, f, caps, pol, h, lower if len(caps) > 1 else "")
         for src in srcs
-        for f, caps in sizes(_trace(src), host_share)
+        for f, caps in sizes(_trace(src), host_share, blocks)
         for pol in policies
         for h in hints
     ]
