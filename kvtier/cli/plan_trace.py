@@ -15,7 +15,7 @@ from kvtier.policy import DEFAULT_POLICY
 from kvtier.sim.cost import GPU, ComputeModel, tier_cost
 from kvtier.sim.hierarchy import DEFAULT_MODEL, ROUTES, Hierarchy, SimTier
 from kvtier.sim.options import add_hints_argument, add_jobs_argument, jobs_from
-from kvtier.sim.replay import SIM_POLICIES
+from kvtier.sim.replay import check_policy
 from kvtier.sim.report import render
 from kvtier.sim.sizing import DEFAULT_MARGIN, lower_policy_check, search, sized
 from kvtier.sim.trace import Trace, read_trace
@@ -83,11 +83,7 @@ def search_space(args: argparse.Namespace, trace: Trace) -> tuple[Hierarchy, lis
             f"HBM for KV, less than the longest request's {longest / 1e9:,.1f} GB; raise --gpus or "
             "--gpu-memory"
         )
-    pol = args.policy.lower()
-    if pol not in SIM_POLICIES:
-        raise ConfigError(
-            f"unknown policy {args.policy!r}; choose one of {', '.join(SIM_POLICIES)}"
-        )
+    pol = check_policy(args.policy, "--").lower()
     bounds = [("hbm", hbm)]
     for name in ("dram", "nvme", "pool"):
         size = parse_size(getattr(args, name), f"--{name}")

@@ -278,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_basket(args: argparse.Namespace) -> int:
     """``--sweep --basket``: every point of the policy basket, each policy's summary."""
     from kvtier.sim import basket
-    from kvtier.sim.replay import SIM_POLICIES
+    from kvtier.sim.replay import check_policy
 
     if not args.sweep:
         raise ConfigError("--basket is a sweep over many traces; add --sweep")
@@ -296,8 +296,7 @@ def _run_basket(args: argparse.Namespace) -> int:
         raise ConfigError(f"--requests must be >= 1, got {args.requests}")
     pols = [args.policy] if args.policy else ["auto", "lru", "s3fifo"]
     for p in pols:
-        if p.lower() not in SIM_POLICIES:
-            raise ConfigError(f"--policy {p!r} is unknown; choose one of {', '.join(SIM_POLICIES)}")
+        check_policy(p, "--")
     if args.trace:
         from kvtier.sim.trace import read_trace
 

@@ -52,7 +52,7 @@ from kvtier.sim.cost import (
     tier_cost,
     with_overrides,
 )
-from kvtier.sim.replay import SIM_POLICIES, TierSpec
+from kvtier.sim.replay import TierSpec, check_policy
 
 DEFAULT_MODEL = "Llama-3.1-70B"
 DEFAULT_DTYPE = "bf16"
@@ -90,10 +90,7 @@ class SimTier:
             raise ConfigError(
                 f"tier {self.name!r}: capacity must be >= 0, got {self.capacity_bytes}"
             )
-        if self.policy.lower() not in SIM_POLICIES:
-            raise ConfigError(
-                f"unknown policy {self.policy!r}; choose one of {', '.join(SIM_POLICIES)}"
-            )
+        check_policy(self.policy, f"tier {self.name!r}: ")
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,12 +179,7 @@ def parse_tier_flag(text: str, policy: str) -> SimTier:
         raise ConfigError(f"--tier {text!r}: write NAME=SIZE[:POLICY], e.g. --tier dram=1TB")
     size, _, own = rest.partition(":")
     if own.strip():
-        policy = own.strip()
-        if policy.lower() not in SIM_POLICIES:
-            raise ConfigError(
-                f"--tier {text!r}: policy {policy!r} is unknown; choose one of "
-                f"{', '.join(SIM_POLICIES)}"
-            )
+        policy = check_policy(own.strip(), f"--tier {text!r}: ")
     return make_tier(name.strip(), size.strip(), policy)
 
 
@@ -246,12 +238,7 @@ def _check_keys(where: str, table: dict[str, Any], allowed: set[str]) -> None:
 
 
 def _policy(table: dict[str, Any], where: str, default: str) -> str:
-    value = _text(table, "policy", where, default)
-    if value.lower() not in SIM_POLICIES:
-        raise ConfigError(
-            f"{where}policy {value!r} is unknown; choose one of {', '.join(SIM_POLICIES)}"
-        )
-    return value
+    return check_policy(_text(table, "policy", where, default), where)
 
 
 def _text(table: dict[str, Any], key: str, where: str, default: str) -> str:
@@ -339,10 +326,8 @@ def build(
         src = f"{toml_path}: "
         _check_keys(src, doc, _TOP_KEYS)
     name = model or _text(doc, "model", src, DEFAULT_MODEL)
-    if policy is not None and policy.lower() not in SIM_POLICIES:
-        raise ConfigError(
-            f"--policy {policy!r} is unknown; choose one of {', '.join(SIM_POLICIES)}"
-        )
+    if policy is not None:
+        check_policy(policy, "--")
     pol = policy or _policy(doc, src, DEFAULT_POLICY)
     p = preset(name)
     layout = p.layout(dtype or _text(doc, "dtype", src, DEFAULT_DTYPE), block_tokens)

@@ -20,9 +20,10 @@ fetch-vs-recompute and TTFT without replaying again.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -35,9 +36,21 @@ from kvtier.sim.belady import Belady, FutureOracle
 from kvtier.sim.storemodel import ModelStore
 from kvtier.sim.trace import Trace
 
+V = TypeVar("V")
+
 #: offered by the simulator only: the offline ceiling and the prefix-unaware baseline
 SIM_ONLY = ("belady", BlockS3FIFO.name)
 SIM_POLICIES = (*sorted(POLICIES), *SIM_ONLY)
+
+
+def check_policy(name: str, where: str = "") -> str:
+    """``name`` if the simulator offers that policy, else a ``ConfigError`` that names it,
+    prefixed by ``where`` (the flag or table it came from), and lists the choices."""
+    if name.lower() not in SIM_POLICIES:
+        raise ConfigError(
+            f"{where}policy {name!r} is unknown; choose one of {', '.join(SIM_POLICIES)}"
+        )
+    return name
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +64,7 @@ class TierSpec:
     def __post_init__(self) -> None:
         if self.capacity_blocks < 0:
             raise ConfigError(f"tier {self.name!r}: capacity must be >= 0 blocks")
-        if self.policy.lower() not in SIM_POLICIES:
-            raise ConfigError(
-                f"unknown policy {self.policy!r}; choose one of {', '.join(SIM_POLICIES)}"
-            )
+        check_policy(self.policy, f"tier {self.name!r}: ")
 
 
 @dataclass(slots=True)
@@ -151,29 +161,22 @@ def replay(
         tiers=specs,
         hit_tokens=hits,
         input_tokens=np.array([r.input_length for r in trace.requests], dtype=np.int64),
-        promoted_blocks=_spread(store.promoted, live, n_tiers),
-        written_blocks=_spread(store.written, live, n_tiers),
-        evicted_blocks=_spread(store.evicted, live, n_tiers),
+        promoted_blocks=_spread(store.promoted, live, n_tiers, 0),
+        written_blocks=_spread(store.written, live, n_tiers, 0),
+        evicted_blocks=_spread(store.evicted, live, n_tiers, 0),
         block_hits=block_hits,
         block_refs=trace.block_events,
         hints=hints,
-        policy_state=_states(store, live, n_tiers),
+        policy_state=_spread(
+            [p.describe() if p is not None else {} for p in store.index.policies], live, n_tiers, {}
+        ),
     )
 
 
-def _states(store: ModelStore, live: list[int], n: int) -> list[dict[str, Any]]:
-    """``describe()`` of each live tier's policy at its place among all ``n`` tiers."""
-    out: list[dict[str, Any]] = [{} for _ in range(n)]
-    if live:
-        for t, pol in zip(live, store.index.policies, strict=False):
-            if pol is not None:
-                out[t] = pol.describe()
-    return out
-
-
-def _spread(counts: list[int], live: list[int], n: int) -> list[int]:
-    """Counters of the live tiers at their places among all ``n`` tiers (0 elsewhere)."""
-    out = [0] * n
-    for t, c in zip(live, counts, strict=False):
-        out[t] = c
+def _spread(values: list[V], live: list[int], n: int, empty: V) -> list[V]:
+    """Values of the live tiers at their places among all ``n`` tiers (a copy of ``empty``
+    elsewhere)."""
+    out = [copy.copy(empty) for _ in range(n)]
+    for t, v in zip(live, values, strict=False):
+        out[t] = v
     return out
