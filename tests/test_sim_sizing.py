@@ -160,6 +160,11 @@ def test_the_answer_is_checked_with_each_policy_below_the_first(trace: Trace) ->
     lru_hier, _ = space(trace, "lru")
     rows = sizing.lower_policy_check(trace, sizing.sized(lru_hier, caps))
     assert [r["lower_policy"] for r in rows] == ["s3fifo"]  # LRU below already
+    upper = sizing.sized(lru_hier, caps)
+    upper = upper.with_tiers(
+        [upper.tiers[0], *(dataclasses.replace(t, policy="LRU") for t in upper.tiers[1:])]
+    )
+    assert [r["lower_policy"] for r in sizing.lower_policy_check(trace, upper)] == ["s3fifo"]
     assert sizing.lower_policy_check(trace, sizing.sized(hier, (caps[0], 0, 0))) == []
 
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -51,7 +51,7 @@ from kvtier.policy import POLICIES
 from kvtier.sim.cluster import replay_cluster
 from kvtier.sim.clusterstack import cluster_profile, estimate_cluster_hits
 from kvtier.sim.cost import price
-from kvtier.sim.hierarchy import Hierarchy, SimTier
+from kvtier.sim.hierarchy import Hierarchy
 from kvtier.sim.lrustack import StackProfile, estimate_hits, lru_profile
 from kvtier.sim.replay import replay
 from kvtier.sim.replaypool import ReplayPool
@@ -96,12 +96,10 @@ def _p90(hits: npt.NDArray[np.float64], inp: I64, hier: Hierarchy) -> float:
 def sized(hier: Hierarchy, caps_bytes: tuple[int, ...]) -> Hierarchy:
     """``hier`` with these sizes, zero-sized tiers left out (an empty first tier caches nothing)."""
     tiers = [
-        SimTier(t.name, c, t.policy, t.cost)
-        for t, c in zip(hier.tiers, caps_bytes, strict=True)
-        if c > 0
+        replace(t, capacity_bytes=c) for t, c in zip(hier.tiers, caps_bytes, strict=True) if c > 0
     ]
     if caps_bytes[0] == 0:
-        tiers = [SimTier(hier.tiers[0].name, 0, hier.tiers[0].policy, hier.tiers[0].cost)]
+        tiers = [replace(hier.tiers[0], capacity_bytes=0)]
     return hier.with_tiers(tiers)
 
 
@@ -138,14 +136,9 @@ def lower_policy_check(trace: Trace, hier: Hierarchy, hints: bool = True) -> lis
         return []
     out = []
     for pol in LOWER_ALTERNATIVES:
-        if all(t.policy == pol for t in hier.tiers[1:]):
+        if all(t.policy.lower() == pol for t in hier.tiers[1:]):
             continue
-        alt = hier.with_tiers(
-            [
-                hier.tiers[0],
-                *(SimTier(t.name, t.capacity_bytes, pol, t.cost) for t in hier.tiers[1:]),
-            ]
-        )
+        alt = hier.with_tiers([hier.tiers[0], *(replace(t, policy=pol) for t in hier.tiers[1:])])
         p90, res = exact_p90(trace, alt, hints)
         out.append({"lower_policy": pol, "ttft_p90_s": p90, "token_hit_ratio": res.token_hit_ratio})
     return out
