@@ -10,6 +10,7 @@ kvtier simulate --synthetic chat --requests 2000 --save-trace chat.jsonl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -214,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     if args.capacity_blocks is not None:
         first = hier.tiers[0]
         size = args.capacity_blocks * hier.block_bytes
-        hier = hier.with_tiers([hierarchy.SimTier(first.name, size, first.policy, first.cost)])
+        hier = hier.with_tiers([dataclasses.replace(first, capacity_bytes=size)])
     if save_to is not None:
         _save_trace(trace, save_to)
 
