@@ -285,6 +285,31 @@ def test_a_tier_flag_may_name_its_own_policy(capsys: pytest.CaptureFixture[str])
     assert "dram=80GB:fifo" in err and "fifo" in err and "lru" in err
 
 
+def test_check_lower_replays_each_policy_below_the_first(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--check-lower`` adds, per alternative, the replay of the same sizes with that policy
+    below the first tier: each row equals that configuration's own run (``--tier ...:POLICY``);
+    with one tier it is an error that says what it needs."""
+    base = ["simulate", "--synthetic", "chat", "--requests", "300", "--json"]
+    # small enough that the three configurations (and uniform ones) all differ
+    tiers = ["--tier", "hbm=2GB", "--tier", "dram=6GB", "--tier", "nvme=15GB"]
+    assert main([*base, *tiers, "--check-lower"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = out["lower_policy_check"]
+    assert [r["lower_policy"] for r in rows] == ["lru", "s3fifo"]
+    for r in rows:
+        pol = r["lower_policy"]
+        own = ["--tier", "hbm=2GB", "--tier", f"dram=6GB:{pol}", "--tier", f"nvme=15GB:{pol}"]
+        assert main([*base, *own]) == 0
+        alt = json.loads(capsys.readouterr().out)
+        assert r["token_hit_ratio"] == alt["token_hit_ratio"]
+        assert r["ttft_p90_s"] == pytest.approx(alt["ttft_s"]["p90"])
+    assert len({out["token_hit_ratio"], *(r["token_hit_ratio"] for r in rows)}) == 3
+    assert main([*base, "--tier", "hbm=20GB", "--check-lower"]) == 2
+    assert "two tiers or more" in capsys.readouterr().err
+
+
 def test_write_trace_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A failed save leaves the old file as it was and no temporary file; a good one replaces it."""
     import kvtier.sim.trace as trace_mod

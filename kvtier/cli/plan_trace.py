@@ -16,7 +16,7 @@ from kvtier.sim.cost import GPU, ComputeModel, tier_cost
 from kvtier.sim.hierarchy import DEFAULT_MODEL, ROUTES, Hierarchy, SimTier
 from kvtier.sim.options import add_hints_argument, add_jobs_argument, jobs_from
 from kvtier.sim.replay import check_policy
-from kvtier.sim.report import render
+from kvtier.sim.report import lower_check_lines, render
 from kvtier.sim.sizing import DEFAULT_MARGIN, lower_policy_check, search, sized
 from kvtier.sim.trace import Trace, read_trace
 
@@ -196,10 +196,6 @@ def run_trace_plan(args: argparse.Namespace) -> int:
         print(summary.get("message", head))
         if feasible:
             print(render(summary, title="kvtier plan"))
-        for c in checks:
-            print(
-                f"the same sizes with policy = {c['lower_policy']!r} below the first tier: TTFT "
-                f"p90 {c['ttft_p90_s']:.3f} s (here {summary['ttft_s']['p90']:.3f}), token hit "
-                f"ratio {c['token_hit_ratio']:.4f} (here {summary['token_hit_ratio']:.4f})"
-            )
+        for line in lower_check_lines(checks, summary):
+            print(line)
     return 0 if feasible else 1

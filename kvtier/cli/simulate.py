@@ -84,6 +84,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --nodes > 1: requests to nodes round robin (default), by first block, or "
         "to the node caching the longest prefix unless it is overloaded",
     )
+    p.add_argument(
+        "--check-lower",
+        action="store_true",
+        help="replay the hierarchy twice more, every tier below the first run by lru, then by "
+        "s3fifo, and report both (what kvtier plan does for its answer)",
+    )
     p.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR (created if needed)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_hints_argument(p)
@@ -170,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     that fails leaves no saved trace and no plot directory behind."""
     from kvtier.sim import hierarchy
     from kvtier.sim.replay import SIM_POLICIES, replay
-    from kvtier.sim.report import render, summarize
+    from kvtier.sim.report import lower_check_lines, render, summarize
 
     if args.basket:
         return _run_basket(args)
@@ -211,6 +217,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             "--nodes replays a hierarchy (--tier or --config); --sweep and --capacity-blocks "
             "replay one tier"
+        )
+    if args.check_lower and (args.sweep or args.capacity_blocks is not None or len(hier.tiers) < 2):
+        raise ConfigError(
+            "--check-lower replays a hierarchy of two tiers or more (--tier or --config) with "
+            "other policies below the first; --sweep and --capacity-blocks replay one tier"
         )
     if args.capacity_blocks is not None:
         first = hier.tiers[0]
@@ -264,6 +275,12 @@ def run(args: argparse.Namespace) -> int:
         else:
             res = replay(trace, hier.specs(), progress, hints=args.hints)
     summary = summarize(trace, hier, res)
+    checks: list[dict[str, Any]] = []
+    if args.check_lower:
+        from kvtier.sim.sizing import lower_policy_check
+
+        checks = lower_policy_check(trace, hier, args.hints)
+        summary["lower_policy_check"] = checks
     if plot_dir is not None:
         from kvtier.sim.cost import price
         from kvtier.sim.plots import plot_run
@@ -272,7 +289,12 @@ def run(args: argparse.Namespace) -> int:
             res.hit_tokens, res.input_tokens, [x.cost for x in hier.tiers], hier.compute, hier.gpu
         )
         summary["plots"] = [str(x) for x in plot_run(summary, t.ttft_s, plot_dir)]
-    print(json.dumps(summary, indent=1) if args.json else render(summary))
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        print(render(summary))
+        for line in lower_check_lines(checks, summary):
+            print(line)
     return 0
 
 

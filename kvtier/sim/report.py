@@ -183,5 +183,16 @@ def render(summary: dict[str, Any], title: str = "kvtier simulate") -> str:
     return buf.getvalue()
 
 
+def lower_check_lines(checks: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]:
+    """One line per row of ``kvtier.sim.sizing.lower_policy_check``, set against ``summary``
+    (the configuration as given)."""
+    return [
+        f"the same sizes with policy = {c['lower_policy']!r} below the first tier: TTFT p90 "
+        f"{c['ttft_p90_s']:.3f} s (here {summary['ttft_s']['p90']:.3f}), token hit ratio "
+        f"{c['token_hit_ratio']:.4f} (here {summary['token_hit_ratio']:.4f})"
+        for c in checks
+    ]
+
+
 def _gb(n: float) -> str:
     return f"{n / 1e12:.2f} TB" if n >= 1e12 else f"{n / 1e9:.1f} GB"
