@@ -204,47 +204,6 @@ def test_auto_s3fifo_ranking_remembers_what_lru_evicted() -> None:
     assert 9 in p._s3._main and 100 in p._s3._small
 
 
-def test_s3fifo_admits_a_proven_key_to_main() -> None:
-    """A new key found in ``proven`` skips probation, as a ghost hit does; others do not."""
-    p: S3FIFO[int] = S3FIFO(10)
-    p.proven = {5}
-    p.insert([5, 6])
-    assert 5 in p.main_keys() and 6 in p._small
-
-
-def _auto_after_an_lru_spell() -> Auto[int]:
-    """An ``auto`` tier of 10 whose LRU ranking evicted key 0 (hit once, then 30 one-shot keys)
-    long enough ago that the S3-FIFO ranking's ghost list has forgotten it; its S3-FIFO shadow,
-    a pure S3-FIFO tier, still holds 0 in ``main``."""
-    p: Auto[int] = Auto(10)
-    p._shadows[0].hits = 10**6  # LRU's shadow far ahead: LRU ranks
-    p.insert([0])
-    p.access([0])
-    for k in range(1, 31):
-        p.insert([k])
-        if len(p) > 10:
-            p.evict(len(p) - 10, always)
-    assert 0 not in p and 0 in cast(S3FIFO[int], p._shadows[1].policy).main_keys()
-    p._shadows[0].hits = 0  # S3-FIFO's shadow ahead
-    return p
-
-
-def test_auto_takes_back_into_main_what_its_s3fifo_shadow_holds_there() -> None:
-    """After an LRU spell, a block a pure S3-FIFO tier would still hold as proven comes back
-    into the S3-FIFO ranking's ``main``, not through probation."""
-    p = _auto_after_an_lru_spell()
-    p.insert([0, 100])
-    assert 0 in p._s3.main_keys() and 100 in p._s3._small
-
-
-def test_a_lower_auto_tier_does_not_trust_its_shadow_main() -> None:
-    """Below the first tier the shadows are no replica of the tier: no ``proven`` there."""
-    p = _auto_after_an_lru_spell()
-    p.missed([])  # the index tells only lower tiers of ``missed``
-    p.insert([0])
-    assert 0 in p._s3._small
-
-
 @pytest.mark.parametrize("seed", range(3))
 def test_auto_ranks_one_resident_set_twice(seed: int) -> None:
     """Whichever ranking evicts, the other forgets the victims: both always hold the policy's

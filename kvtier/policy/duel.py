@@ -17,13 +17,6 @@ and lets the tier's traffic decide, with no constant to tune:
   hit *for that shadow*. The winner is the shadow with more hits so far (S3-FIFO on a tie).
   Within one request the store reports its leading hits twice (``access`` on load, ``refresh``
   on store): a ``refresh`` key the last ``access`` named is not a second reference.
-* **What a switch costs S3-FIFO.** S3-FIFO's ``main`` is built over the whole run: a block hit
-  after admission stays while it keeps being hit. An LRU spell evicts some of those blocks, and
-  when S3-FIFO ranks again they come back through probation, where one-shot tails push them out
-  again. In the first tier the S3-FIFO shadow replays exactly what a pure S3-FIFO tier would, so
-  the S3-FIFO ranking takes a new block straight into ``main`` when the shadow holds it there
-  (``S3FIFO.proven``). A lower tier's shadows are no replica of the tier (they are judged on
-  lookups; the tier takes demotions), so a lower tier does without.
 
 **A tier below the first** judges its shadows on the lookups that reach it, as a cache of its
 size serving the misses of the tiers above would: its own hits (``access``) and the blocks that
@@ -93,9 +86,7 @@ class Auto(EvictionPolicy[K]):
         super().__init__(capacity)
         self._lru: LRU[K] = LRU(capacity)
         self._s3: S3FIFO[K] = S3FIFO(capacity)
-        s3_shadow: S3FIFO[K] = S3FIFO(capacity)
-        self._s3.proven = s3_shadow.main_keys()  # first tier only (module docstring)
-        self._shadows = (Shadow(LRU(capacity)), Shadow(s3_shadow))
+        self._shadows = (Shadow(LRU(capacity)), Shadow(S3FIFO(capacity)))
         self._accessed: set[K] = set()
         self._below = False  # told ``missed``: a tier below the first (module docstring)
 
@@ -117,9 +108,7 @@ class Auto(EvictionPolicy[K]):
 
     def missed(self, keys: Sequence[K]) -> None:
         """Lookups that reached this lower tier and missed: references for the shadows."""
-        if not self._below:
-            self._below = True
-            self._s3.proven = ()
+        self._below = True
         self._reference(keys)
 
     def access(self, keys: Sequence[K]) -> None:

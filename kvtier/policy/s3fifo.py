@@ -17,11 +17,6 @@ prefix contract (``kvtier.policy.base``).
 The sizes are the paper's: probation is a tenth of the tier, the ghost list remembers as many
 drops as ``main`` holds. Reuse-class hints are ignored (``insert``'s ``hint``).
 
-``proven``, empty unless set, is a second memory another policy can lend: a new key found in it
-enters ``main``, as a ghost hit does. ``kvtier.policy.duel`` lends the ``main`` queue of a
-shadow S3-FIFO (``main_keys``), so blocks a pure S3-FIFO tier would still hold as proven come
-straight back into ``main`` after another ranking evicted them.
-
 The ghost list is a dict of key -> drop number: a key is in it while fewer than its length of
 later keys were dropped; stale entries are cleared in bulk when the dict is twice that long.
 Eviction work is bounded: a key is passed at most ``MAX_FREQ + 1`` times per victim taken, and a
@@ -59,20 +54,17 @@ class S3FIFO(EvictionPolicy[K]):
         self._drops = 0
         self._small_cap = max(1, int(capacity * self.small_fraction))
         self._ghost_cap = max(1, int(capacity * self.ghost_fraction))
-        #: new keys found here enter ``main`` (module docstring); read, never changed
-        self.proven: Collection[K] = ()
 
     def insert(self, keys: Sequence[K], hint: Hashable | None = None) -> None:
-        """New keys enter probation (or ``main``, if dropped recently or ``proven``); resident
-        keys in ``keys`` count as a hit. ``hint`` is ignored."""
+        """New keys enter probation (or ``main``, if dropped recently); resident keys in
+        ``keys`` count as a hit. ``hint`` is ignored."""
         freq, ghost, small, main = self._freq, self._ghost, self._small, self._main
-        proven = self.proven
         fresh = max(self._drops - self._ghost_cap, 0)  # ghost entries above this are live
         for k in reversed(keys) if self.leaf_first else keys:
             f = freq.get(k)
             if f is None:
                 freq[k] = 0
-                if ghost.pop(k, 0) > fresh or k in proven:
+                if ghost.pop(k, 0) > fresh:
                     main[k] = None
                 else:
                     small[k] = None
@@ -181,10 +173,6 @@ class S3FIFO(EvictionPolicy[K]):
         if len(self._ghost) > 2 * self._ghost_cap:
             live = max(self._drops - self._ghost_cap, 0)
             self._ghost = {k: d for k, d in self._ghost.items() if d > live}
-
-    def main_keys(self) -> Collection[K]:
-        """The keys in ``main`` (hit since they were admitted), read only and live."""
-        return self._main
 
     def describe(self) -> dict[str, Any]:
         """Queue sizes (``TieredStore.stats()["policies"]``)."""
