@@ -18,7 +18,7 @@ from kvtier.sim.trace import MOONCAKE_BLOCK_TOKENS, Request, Trace
 Segment = tuple[int, int]  # (segment id, tokens)
 
 
-class _Namer:
+class Namer:
     """Chained block ids for segment lists (a trie over block contents)."""
 
     def __init__(self, block_tokens: int) -> None:
@@ -49,7 +49,8 @@ class _Namer:
         return self.ids.setdefault((parent, tuple(piece)), len(self.ids))
 
 
-def _zipf(rng: random.Random, n: int, s: float = 1.1) -> int:
+def zipf_index(rng: random.Random, n: int, s: float = 1.1) -> int:
+    """An index in ``range(n)`` drawn with weight ``1 / (i + 1) ** s`` (popular ones first)."""
     weights = [1.0 / (i + 1) ** s for i in range(n)]
     return rng.choices(range(n), weights)[0]
 
@@ -66,7 +67,7 @@ def generate(
         raise ConfigError(f"synthetic workload needs >= 1 request, got {requests}")
     rng = random.Random(seed)
     counter = iter(range(1 << 62))
-    namer = _Namer(block_tokens)
+    namer = Namer(block_tokens)
     systems = [(next(counter), rng.randint(500, 3000)) for _ in range(8)]
     docs = [(next(counter), rng.randint(1000, 8000)) for _ in range(200)]
     sessions: list[tuple[str, list[Segment]]] = []
@@ -84,18 +85,19 @@ def generate(
             else:
                 sessions[i] = (skind, segs)
             return segs
-        segs = [systems[_zipf(rng, len(systems))], new_segment(50, 2000)]
+        segs = [systems[zipf_index(rng, len(systems))], new_segment(50, 2000)]
         sessions.append(("chat", segs))
         if len(sessions) > 64:
             sessions.pop(0)
         return segs
 
     def system_prompt() -> list[Segment]:
-        return [systems[_zipf(rng, len(systems))], new_segment(20, 1500)]
+        return [systems[zipf_index(rng, len(systems))], new_segment(20, 1500)]
 
     def rag() -> list[Segment]:
         k = rng.randint(1, 3)
-        return [systems[0], *(docs[_zipf(rng, len(docs))] for _ in range(k)), new_segment(20, 300)]
+        picked = (docs[zipf_index(rng, len(docs))] for _ in range(k))
+        return [systems[0], *picked, new_segment(20, 300)]
 
     def agent() -> list[Segment]:
         return chat() if rng.random() < 0.5 else [systems[-1], new_segment(2000, 6000)]
