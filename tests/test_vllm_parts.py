@@ -219,6 +219,7 @@ def test_lookup_is_the_minimum_over_ranks_and_a_silent_rank_is_a_miss() -> None:
         for r in (0, 1)
     ]
     client = LookupClient(engine, 2, timeout_s=0.5)
+    sockets = Path(servers[0].address.removeprefix("ipc://")).parent
     try:
         assert client.lookup(_tokens(5, 600), Scope()) == 256
         assert client.lease("req-1", _tokens(5, 600), Scope(), 0) == 256
@@ -229,6 +230,7 @@ def test_lookup_is_the_minimum_over_ranks_and_a_silent_rank_is_a_miss() -> None:
     finally:
         client.close()
         servers[0].close()
+    assert not sockets.exists()  # the last rank to close removes the engine's socket dir
 
 
 def test_another_tensor_parallel_rank_never_reads_this_ranks_blocks(tmp_path: Path) -> None:

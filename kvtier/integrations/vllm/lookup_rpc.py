@@ -124,11 +124,16 @@ class LookupServer:
         self._sock.close(0)
 
     def close(self) -> None:
+        """Stop serving and remove this rank's socket; the last rank to close removes the
+        engine's socket directory too (another rank's socket still in it keeps it)."""
         self._stop.set()
         self._thread.join(timeout=5)
         self._ctx.term()
+        path = Path(self.address.removeprefix("ipc://"))
         with contextlib.suppress(OSError):
-            os.unlink(self.address.removeprefix("ipc://"))
+            path.unlink()
+        with contextlib.suppress(OSError):  # not empty: a rank still serves
+            path.parent.rmdir()
 
 
 class LookupClient:
