@@ -385,6 +385,20 @@ def test_cli_basket_sweeps_every_workload_and_size(capsys: pytest.CaptureFixture
     assert all(0.0 <= r["hit"]["lru"] <= 1.0 for r in out["rows"])
 
 
+def test_basket_summary_reads_the_target_both_ways() -> None:
+    """A point below the better of LRU and S3-FIFO by more than 1% of it is below target; the
+    largest shortfall is also given in hit-ratio points."""
+    rows = [
+        {"trace": "a", "caps": [10], "hit": {"lru": 0.040, "s3fifo": 0.050, "auto": 0.0496}},
+        {"trace": "b", "caps": [20], "hit": {"lru": 0.500, "s3fifo": 0.400, "auto": 0.480}},
+        {"trace": "c", "caps": [30], "hit": {"lru": 0.300, "s3fifo": 0.300, "auto": 0.310}},
+    ]
+    s = basket.summary(rows, "auto")
+    assert s["below_target"] == ["b [20]"]  # a: 0.992 of the better
+    assert s["max_gap_to_best"] == pytest.approx(0.020)
+    assert s["min_ratio_to_best"] == pytest.approx(0.96)
+
+
 def test_basket_host_share_and_lower_policy_shape_the_hierarchy_points() -> None:
     """Other host shares size the host tier; ``lower`` sets only the tiers below the first, and
     replaying with it gives what the per-tier policies give in a replay of their own."""

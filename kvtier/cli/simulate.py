@@ -344,7 +344,8 @@ def _run_basket(args: argparse.Namespace) -> int:
                 f"{s['policy']}: {s['points'] - len(s['below_target'])}/{s['points']} points "
                 f"within 1% of the better of lru and s3fifo"
                 + (
-                    f", mean {s['mean_ratio_to_best']:.4f} of it"
+                    f", mean {s['mean_ratio_to_best']:.4f} of it, at most"
+                    f" {s['max_gap_to_best']:.4f} below it"
                     if "mean_ratio_to_best" in s
                     else ""
                 )
