@@ -17,5 +17,6 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 bash scripts/setup.sh
 .venv/bin/ruff check kvtier tests
+.venv/bin/ruff format --check .
 .venv/bin/mypy
 .venv/bin/python -m pytest -m "not slow" "$@"
