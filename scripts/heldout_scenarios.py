@@ -154,13 +154,18 @@ def _point(args: tuple[str, int, int, tuple[int, ...], str]) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--families", default=",".join(FAMILIES))
-    ap.add_argument("--seeds", default="0,1,2,3")
-    ap.add_argument("--policies", default="auto,lru,s3fifo")
-    ap.add_argument("--host-share", type=float, default=basket.HOST_SHARE)
-    ap.add_argument("--requests", type=int, default=2000)
-    ap.add_argument("--jobs", type=int, default=2)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--families", default=",".join(FAMILIES), help="comma-separated families")
+    ap.add_argument("--seeds", default="0,1,2,3", help="comma-separated seeds")
+    ap.add_argument("--policies", default="auto,lru,s3fifo", help="policies to replay")
+    ap.add_argument(
+        "--host-share",
+        type=float,
+        default=basket.HOST_SHARE,
+        help="host tier as a share of the NVMe tier (host + NVMe points)",
+    )
+    ap.add_argument("--requests", type=int, default=2000, help="requests per trace")
+    ap.add_argument("--jobs", type=int, default=2, help="worker processes")
     args = ap.parse_args()
     families = args.families.split(",")
     unknown = [f for f in families if f not in FAMILIES]

@@ -20,12 +20,21 @@ TRACE = "/work/shared/data/traces/mooncake_synthetic.jsonl"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--trace", default=TRACE)
-    ap.add_argument("--requests", type=int, default=2000)
-    ap.add_argument("--policies", default="auto,lru,s3fifo,belady")
-    ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--hints", action=argparse.BooleanOptionalAction, default=True)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", default=TRACE, help='Mooncake JSONL trace ("": generators only)')
+    ap.add_argument("--requests", type=int, default=2000, help="requests per generated trace")
+    ap.add_argument(
+        "--policies",
+        default="auto,lru,s3fifo,belady",
+        help="policies to replay; the summary compares each with the better of lru and s3fifo",
+    )
+    ap.add_argument("--jobs", type=int, default=2, help="worker processes")
+    ap.add_argument(
+        "--hints",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pass reuse-class hints to the policies (none reads them)",
+    )
     ap.add_argument("--seeds", default=",".join(map(str, basket.SEEDS)), help="generator seeds")
     ap.add_argument(
         "--host-share",
