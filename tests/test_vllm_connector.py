@@ -184,13 +184,24 @@ def test_warm_restart_serves_from_nvme(
 def test_corrupt_blocks_on_nvme_are_recomputed_identically(
     model: Path, store_root: Path, reference: Any
 ) -> None:
-    """Damage every block the earlier engines left on NVMe, then serve from a new engine: the
-    index still lists them, every read fails its checksum, vLLM recomputes: same tokens."""
+    """Damage every block the earlier engines left on NVMe (or, run alone, one engine leaves
+    now), then serve from a new engine: the index still lists them, every read fails its
+    checksum, vLLM recomputes: same tokens."""
     import os
 
     from kvtier.integrations.vllm.lookup_rpc import LookupClient
 
     files = [f for f in (store_root / "nvme").rglob("*") if f.is_file()]
+    if not files:  # run without the tests before it: leave the document's blocks on NVMe
+        llm = H.engine(
+            model, _config(store_root), kv_bytes=KV_BYTES, max_num_batched_tokens=BATCH,
+            max_model_len=8192,
+        )  # fmt: skip
+        try:
+            _run(llm, _prompts()["q1"])
+        finally:
+            _shutdown(llm)
+        files = [f for f in (store_root / "nvme").rglob("*") if f.is_file()]
     big = max(files, key=lambda f: f.stat().st_size)  # the slots file
     with big.open("r+b") as fh:
         size = big.stat().st_size
@@ -211,6 +222,7 @@ def test_corrupt_blocks_on_nvme_are_recomputed_identically(
         finally:
             client.close()
         assert st["loaded_tokens"] == 0  # nothing damaged reached a page
+        assert st["failed_pages"] > 0  # the index listed the blocks and their reads failed
     finally:
         _shutdown(llm)
 
