@@ -16,7 +16,7 @@ import torch
 from kvtier.errors import ConfigError
 from kvtier.identity import Identity
 from kvtier.integrations.vllm.backend import Scope, open_local
-from kvtier.integrations.vllm.lookup_rpc import LookupClient, LookupServer
+from kvtier.integrations.vllm.lookup_rpc import LookupClient, LookupServer, sweep_stale
 from kvtier.integrations.vllm.metadata import KvtierMetadata, PageOp
 from kvtier.integrations.vllm.movers import PageMover
 from kvtier.integrations.vllm.pages import PageLayout, page_layout
@@ -231,6 +231,34 @@ def test_lookup_is_the_minimum_over_ranks_and_a_silent_rank_is_a_miss() -> None:
         client.close()
         servers[0].close()
     assert not sockets.exists()  # the last rank to close removes the engine's socket dir
+
+
+def test_sockets_of_dead_engines_are_swept_and_live_ones_kept(tmp_path: Path) -> None:
+    """An engine killed before closing its connector leaves its socket directory; the next
+    engine's lookup server removes it, and only it."""
+    import socket
+
+    def bound(d: Path, listen: bool) -> socket.socket:
+        d.mkdir()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(str(d / "rank0.sock"))
+        if listen:
+            s.listen()
+        return s
+
+    bound(tmp_path / "kvtier-vllm-dead", listen=False).close()  # the file stays, nobody listens
+    live = bound(tmp_path / "kvtier-vllm-live", listen=True)
+    (tmp_path / "kvtier-vllm-starting").mkdir()
+    (tmp_path / "kvtier-vllm-other").mkdir()
+    (tmp_path / "kvtier-vllm-other" / "notes.txt").write_text("not a socket")
+    try:
+        assert sweep_stale(tmp_path) == 1
+        left = sorted(p.name for p in tmp_path.iterdir())
+        assert left == ["kvtier-vllm-live", "kvtier-vllm-other", "kvtier-vllm-starting"]
+        assert (tmp_path / "kvtier-vllm-live" / "rank0.sock").exists()
+    finally:
+        live.close()
+    assert sweep_stale(tmp_path) == 1  # closed now: swept the next time
 
 
 def test_another_tensor_parallel_rank_never_reads_this_ranks_blocks(tmp_path: Path) -> None:

@@ -4,7 +4,9 @@ vLLM runs the scheduler (where ``get_num_new_matched_tokens`` is asked) in the e
 process and every rank's model runner (where the KV pages and the rank's store live) in worker
 processes. Each worker rank answers lookups on a ZeroMQ REP socket, ``ipc://`` in a private
 temporary directory (mode 0700) named from vLLM's engine id; the scheduler asks every rank
-and takes the minimum (a prefix is usable only if every rank holds its part).
+and takes the minimum (a prefix is usable only if every rank holds its part). A rank's socket
+goes at close or interpreter exit; the directories of engines killed before either (a SIGTERM'd
+``vllm serve``) are swept by the next engine's lookup server (``sweep_stale``).
 
 Failure is a miss: a rank that does not answer within the timeout, a malformed reply or a
 closed socket counts as 0 tokens for that request, never a hang or an exception in the
@@ -25,10 +27,12 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import stat
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,6 +47,44 @@ log = logging.getLogger("kvtier.vllm")
 LookupFn = Callable[[np.ndarray[Any, Any], Scope, int], int]
 LeaseFn = Callable[[str, np.ndarray[Any, Any], Scope, int], int]
 StatsFn = Callable[[], dict[str, Any]]
+
+
+def sweep_stale(root: Path) -> int:
+    """Remove the socket directories under ``root`` of engines that died without closing their
+    connector (a ``vllm serve`` stopped by SIGTERM ends its workers without it): this user's
+    ``kvtier-vllm-*`` directories holding only sockets that refuse connections. A directory
+    with a live or a non-socket entry, or none (an engine still starting), is kept. Returns how
+    many were removed."""
+    removed = 0
+    for d in root.glob("kvtier-vllm-*"):
+        try:
+            st = d.lstat()
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            entries = list(d.iterdir())
+            if not entries or not all(_refuses(e) for e in entries):
+                continue
+            for e in entries:
+                e.unlink()
+            d.rmdir()
+            removed += 1
+        except OSError:  # another engine swept it, or started in it, meanwhile
+            continue
+    return removed
+
+
+def _refuses(path: Path) -> bool:
+    """Whether ``path`` is a Unix socket nobody listens on any more."""
+    if not stat.S_ISSOCK(path.lstat().st_mode):
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(str(path))
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
+    return False
 
 
 def socket_dir(engine_id: str) -> Path:
@@ -78,11 +120,14 @@ class LookupServer:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
+        sweep_stale(Path(tempfile.gettempdir()))
         self.address = rank_address(engine_id, rank)
         path = self.address.removeprefix("ipc://")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # a stale socket of a dead engine with the same id
         self._sock.bind(self.address)
+        # at close, or at interpreter exit if the engine never closes the connector
+        self._remove = weakref.finalize(self, _remove_socket, Path(path))
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._serve, name=f"kvtier-lookup-{rank}", daemon=True
@@ -129,11 +174,15 @@ class LookupServer:
         self._stop.set()
         self._thread.join(timeout=5)
         self._ctx.term()
-        path = Path(self.address.removeprefix("ipc://"))
-        with contextlib.suppress(OSError):
-            path.unlink()
-        with contextlib.suppress(OSError):  # not empty: a rank still serves
-            path.parent.rmdir()
+        self._remove()
+
+
+def _remove_socket(path: Path) -> None:
+    """Remove a rank's socket file, and the engine's directory once no rank's socket is left."""
+    with contextlib.suppress(OSError):
+        path.unlink()
+    with contextlib.suppress(OSError):  # not empty: a rank still serves
+        path.parent.rmdir()
 
 
 class LookupClient:
