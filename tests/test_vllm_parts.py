@@ -261,6 +261,25 @@ def test_sockets_of_dead_engines_are_swept_and_live_ones_kept(tmp_path: Path) ->
     assert sweep_stale(tmp_path) == 1  # closed now: swept the next time
 
 
+def test_a_rank_that_exits_without_close_removes_its_socket_directory() -> None:
+    """A worker process that ends without the connector's shutdown (interpreter exit) leaves no
+    socket directory behind."""
+    import subprocess
+    import sys
+    import uuid
+
+    code = (
+        "from kvtier.integrations.vllm.lookup_rpc import LookupServer\n"
+        f"s = LookupServer('exit-{uuid.uuid4()}', 0, lambda *a: 0, lambda *a: 0)\n"
+        "print(s.address)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    sock = Path(done.stdout.strip().splitlines()[-1].removeprefix("ipc://"))
+    assert sock.name == "rank0.sock"
+    assert not sock.parent.exists()
+
+
 def test_another_tensor_parallel_rank_never_reads_this_ranks_blocks(tmp_path: Path) -> None:
     """Two ranks over one persistent directory (as over a shared pool): same tokens, same
     layout, other heads -- rank 1 must miss what rank 0 wrote."""
