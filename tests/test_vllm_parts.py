@@ -418,3 +418,17 @@ def test_redis_killed_between_lookup_and_load_is_a_load_error_not_wrong_kv() -> 
             b.close()
     finally:
         redis.stop()
+
+
+def test_benchmarks_wait_for_the_installed_vllms_worker_poll() -> None:
+    """``kvtier.bench.vllm.quiesce`` reads how long a worker polls after a step from vLLM
+    itself; if vLLM moves or renames it, the fallback (1 s) would hide the change."""
+    import inspect
+
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    from kvtier.bench.vllm import idle_poll_s
+
+    poll = inspect.signature(SpinCondition).parameters["busy_loop_s"].default
+    assert isinstance(poll, int | float) and poll > 0
+    assert idle_poll_s() == float(poll)

@@ -3,7 +3,7 @@
 A random-weight Llama model (saved locally; nothing is downloaded) serves long shared documents
 followed by different questions. Two engines run side by side, vLLM alone and vLLM + kvtier
 (host DRAM + NVMe in a temp dir), so that each comparison is interleaved and both sides see the
-same machine load:
+same machine load; every timed request starts once both engines are idle (``quiesce``):
 
 - ``recompute_s``: time to first token of ``doc_i + question`` on vLLM alone with its prefix
   cache reset before each (the prefill kvtier avoids);
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import os
 import shutil
 import statistics
@@ -91,11 +92,34 @@ def close_engine(llm: Any) -> None:
     gc.collect()
 
 
+def idle_poll_s() -> float:
+    """Seconds a vLLM worker keeps polling its message queue after a step before it sleeps
+    (``SpinCondition``'s ``busy_loop_s``: 1 in vLLM 0.32)."""
+    try:
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+        return float(inspect.signature(SpinCondition).parameters["busy_loop_s"].default)
+    except (ImportError, KeyError, TypeError, ValueError):
+        return 1.0
+
+
+def quiesce() -> None:
+    """Wait until the workers of every engine in this process have stopped polling.
+
+    An engine that just served a request keeps its workers busy-polling for ``idle_poll_s``;
+    on a machine with few cores they take the cores from the next engine's forward (TTFTs of
+    40 ms measured at 600-1,000 ms on 2 cores). Every timed request here starts after this
+    wait, so neither side of a comparison runs beside the other's poll."""
+    time.sleep(idle_poll_s() + 0.1)
+
+
 def first_token(llm: Any, tokens: list[int]) -> tuple[float, tuple[int, float], int]:
-    """(wall seconds to the first token, (token, logprob), tokens served from a cache)."""
+    """(wall seconds to the first token, (token, logprob), tokens served from a cache), timed
+    after ``quiesce``."""
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=1, logprobs=1, detokenize=False)
+    quiesce()
     t0 = time.perf_counter()
     out = llm.generate([{"prompt_token_ids": tokens}], sp, use_tqdm=False)[0]
     dt = time.perf_counter() - t0
@@ -112,6 +136,7 @@ def _throughput(llm: Any, prompts: list[list[int]], round_: int) -> float:
     sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False)
     batch = [[3 + round_, *p[1:]] for p in prompts]
     llm.reset_prefix_cache()
+    quiesce()
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
     dt = time.perf_counter() - t0

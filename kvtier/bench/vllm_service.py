@@ -4,7 +4,8 @@ A random-weight Llama model (saved locally; nothing is downloaded) serves long d
 followed by different questions, on CPU. The bench starts its own ``kvtier serve`` (host DRAM,
 an NVMe directory) and four engines, so every comparison is interleaved and sees the same
 machine load: vLLM alone, vLLM + kvtier in-process (host DRAM), and vLLM + kvtier on the
-service (``[service] url``), then a *new* engine on the service in place of the last:
+service (``[service] url``), then a *new* engine on the service in place of the last; each timed
+request starts once every engine is idle (``kvtier.bench.vllm.quiesce``):
 
 - ``recompute_s``: time to first token of ``doc_i + question`` on vLLM alone, its prefix cache
   reset before each;

@@ -8,7 +8,8 @@ model: vLLM alone and vLLM + kvtier (the embedded default: host DRAM over a loca
 directory). Before every turn both engines' own prefix caches are reset -- as if the engine had
 evicted the conversation, which is what happens to an idle session on a busy server -- so the
 engine alone recomputes the prompt and the kvtier engine loads what kvtier holds. Each turn
-prints both times to first token, how many tokens kvtier served and from which tier, and
+prints both times to first token (each request timed once both engines are idle,
+``kvtier.bench.vllm.quiesce``), how many tokens kvtier served and from which tier, and
 whether the generated tokens were identical. Then (unless ``--no-service``) the other mode: two
 engines sharing one node service, against the same engine alone (``kvtier.cli.demo_service``).
 """
@@ -80,14 +81,18 @@ def engine(model: Path, kv: dict[str, Any] | None, max_len: int) -> Any:
 
 
 def timed_turn(llm: Any, prompt: list[int], new_tokens: int) -> tuple[float, list[int], int]:
-    """(wall seconds of a one-token request = TTFT, the turn's tokens, cached prompt tokens)."""
+    """(wall seconds of a one-token request = TTFT, the turn's tokens, cached prompt tokens).
+    Timed once every engine is idle (``kvtier.bench.vllm.quiesce``)."""
     from vllm import SamplingParams
+
+    from kvtier.bench.vllm import quiesce
 
     def gen(n: int) -> Any:
         sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
         return llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
 
     llm.reset_prefix_cache()
+    quiesce()
     t0 = time.perf_counter()
     first = gen(1)
     ttft = time.perf_counter() - t0
