@@ -104,12 +104,13 @@ def idle_poll_s() -> float:
 
 
 def quiesce() -> None:
-    """Wait until the workers of every engine in this process have stopped polling.
+    """Sleep ``idle_poll_s`` (and a little more), so that every engine whose last step ended
+    before the call has stopped polling.
 
     An engine that just served a request keeps its workers busy-polling for ``idle_poll_s``;
-    on a machine with few cores they take the cores from the next engine's forward (TTFTs of
-    40 ms measured at 600-1,000 ms on 2 cores). Every timed request here starts after this
-    wait, so neither side of a comparison runs beside the other's poll."""
+    on a machine with few cores they take the cores from the next engine's forward (measured in
+    docs/benchmarks.md). Every timed request here starts after this wait, so neither side of a
+    comparison runs beside the other's poll."""
     time.sleep(idle_poll_s() + 0.1)
 
 
