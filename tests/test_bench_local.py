@@ -36,6 +36,11 @@ def test_bench_host_reports_every_copy_and_the_ratio_to_the_best() -> None:
         best = out[f"{out[f'{side}_baseline']}_gbps"]
         assert out[f"{side}_vs_best"] == pytest.approx(out[f"{side}_gbps"] / best)
         assert len(out[f"{side}_vs_best_rounds"]) == 2
+        fused = out[f"{side}_copy_hash_baseline"]  # the checksummed copies: reported, not a limit
+        assert fused.startswith("copy_hash_blocks") and fused != out[f"{side}_baseline"]
+        assert out[f"{side}_vs_copy_hash"] == pytest.approx(
+            out[f"{side}_gbps"] / out[f"{fused}_gbps"]
+        )
     assert out["lookup_miss_us"] > 0
 
 

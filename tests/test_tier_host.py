@@ -21,3 +21,34 @@ class TestHostTier(TierConformance):
         tier.slot_view(slot)[5] ^= 0x10
         tier._table.release(slot)
         return True
+
+
+def test_the_arena_starts_where_engine_buffers_do(tmp_path: Path) -> None:
+    """Slots sit 64 bytes past a page boundary, anonymous or named, in the creator and in a
+    process that attaches (``kvtier.tiers.shm``): the offset torch gives large tensors, so a
+    block's copies pair source and destination alike."""
+    import mmap
+
+    import numpy as np
+    import torch
+
+    from kvtier.tiers.shm import DATA_OFFSET, SharedMemory, shm_dir
+
+    lay = KVLayout(layers=2, kv_heads=2, head_dim=64, block_tokens=16, dtype="float16")
+    assert lay.block_bytes % mmap.PAGESIZE == 0  # every slot at the same offset in its page
+    tensor = torch.empty(1 << 22, dtype=torch.uint8)
+    assert tensor.data_ptr() % mmap.PAGESIZE == DATA_OFFSET  # what the offset is chosen to match
+    named = HostTier(lay, 4 * lay.block_bytes, shm_path=f"{shm_dir()}/kvtier-test-{tmp_path.name}")
+    try:
+        for tier in (HostTier(lay, 4 * lay.block_bytes), named):
+            assert all(
+                tier.slot_view(s).ctypes.data % mmap.PAGESIZE == DATA_OFFSET for s in range(4)
+            )
+        assert named.shm.path is not None
+        other = SharedMemory.attach(named.shm.path, named.shm.nbytes)
+        assert other.array.ctypes.data % mmap.PAGESIZE == DATA_OFFSET
+        named.slot_view(3)[-4:] = [9, 8, 7, 6]  # the last bytes: the same in both mappings
+        assert np.array_equal(other.array[-4:], [9, 8, 7, 6])
+        other.close()
+    finally:
+        named.close()

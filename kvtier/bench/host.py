@@ -13,6 +13,19 @@ thread pool plus the caller, the work split into contiguous runs as the engine s
 - ``memcpy_whole_{t}t``: the whole contiguous buffer in ``t`` pieces (glibc streams copies over
   its non-temporal threshold past the cache, which block-sized copies may not reach).
 
+Not a limit but a diagnosis: ``copy_hash_blocks_{t}t`` / ``copy_hash_blocks_out_{t}t`` are the
+block copies with the tier's checksum fused in (``kvtier.codec.copy_in`` / ``copy_out``, the
+same calls the tier makes, without its index, pins or framing). ``store_vs_copy_hash`` /
+``load_vs_copy_hash`` compare the tier with the best of those: what the tier's own bookkeeping
+costs, apart from the checksum.
+
+The caller's buffers (``kv``, ``out``) and the copies' arena start 64 bytes past a page
+boundary, where torch's CPU allocator puts a large tensor (the engine integrations' staging
+buffers) and where the tier's own arena starts (``kvtier.tiers.shm.DATA_OFFSET``): a copy runs
+fastest between buffers at the same offset modulo 64. ``store_numpy_buffers_gbps`` /
+``load_numpy_buffers_gbps`` are the tier again with arrays numpy allocated itself (16 bytes
+past a page, glibc's ``malloc`` header), as a caller of the Python API may pass them.
+
 After one unmeasured warm-up round, every round runs every copy and the tier's store and load
 back to back (so drift on a shared machine hits all of them); ``*_gbps`` are the best of
 ``--rounds``, ``store_vs_best`` / ``load_vs_best`` the ratio of the tier's best to the best
@@ -31,6 +44,7 @@ bench with ``--url auto``.
 from __future__ import annotations
 
 import argparse
+import mmap
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -38,10 +52,12 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.codec import copy_in, copy_out
 from kvtier.layout import KVLayout, preset
 from kvtier.store import TieredStore
 from kvtier.tiers.base import Array
 from kvtier.tiers.host import HostTier
+from kvtier.tiers.shm import DATA_OFFSET
 from kvtier.transfer import TransferEngine
 
 
@@ -152,6 +168,22 @@ class _Copies:
 
         self._split(part, self.blocks, threads)
 
+    def hashed_in(self, threads: int) -> None:
+        def part(lo: int, hi: int) -> None:
+            for i in range(lo, hi):
+                slot, src, _ = self._block_views(i)
+                copy_in(slot, src)
+
+        self._split(part, self.blocks, threads)
+
+    def hashed_out(self, threads: int) -> None:
+        def part(lo: int, hi: int) -> None:
+            for i in range(lo, hi):
+                slot, _, dst = self._block_views(i)
+                copy_out(dst, slot)
+
+        self._split(part, self.blocks, threads)
+
     def whole(self, threads: int) -> None:
         src = self.kv.reshape(-1).view(np.uint8)
         step = -(-src.size // threads)
@@ -161,6 +193,13 @@ class _Copies:
                 np.copyto(self.arena[k * step : (k + 1) * step], src[k * step : (k + 1) * step])
 
         self._split(part, threads, threads)
+
+
+def _past_page(nbytes: int) -> Array:
+    """``nbytes`` of uint8 starting ``DATA_OFFSET`` bytes past a page boundary."""
+    raw = np.empty(nbytes + 2 * mmap.PAGESIZE, dtype=np.uint8)
+    skip = (DATA_OFFSET - raw.ctypes.data) % mmap.PAGESIZE
+    return raw[skip : skip + nbytes]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -173,18 +212,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     n_tok = blocks * lay.block_tokens
     nbytes = blocks * lay.block_bytes
     rng = np.random.default_rng(0)
-    kv = rng.integers(0, 2**16, size=lay.kv_shape(n_tok), dtype=np.uint16).view(np.float16)
-    out = np.empty_like(kv)
-    arena = np.empty(nbytes, dtype=np.uint8)
-    out.fill(0)  # touch every page now: a first touch would land on whichever copy ran first
-    arena.fill(0)
+    # the caller's buffers where an engine's are (module docstring); numpy's own, 16 bytes past
+    # a page, for the tier's second pair of numbers
+    kv_numpy = rng.integers(0, 2**16, size=lay.kv_shape(n_tok), dtype=np.uint16).view(np.float16)
+    kv = _past_page(kv_numpy.nbytes).view(np.float16).reshape(kv_numpy.shape)
+    kv[...] = kv_numpy
+    out = _past_page(kv.nbytes).view(np.float16).reshape(kv.shape)
+    out_numpy = np.empty_like(kv_numpy)
+    arena = _past_page(nbytes)
+    for a in (out, out_numpy, arena):
+        a.fill(0)  # touch every page now: a first touch would land on whichever copy ran first
     threads = TransferEngine(args.workers).parallelism  # what the store's batches use
     copies = _Copies(lay, kv, arena, out, threads)
     store_refs = {f"memcpy_blocks_{t}t": (copies.blocks_in, t) for t in range(1, threads + 1)}
     load_refs = {f"memcpy_blocks_out_{t}t": (copies.blocks_out, t) for t in range(1, threads + 1)}
     whole_refs = {f"memcpy_whole_{t}t": (copies.whole, t) for t in range(1, threads + 1)}
-    refs = {**store_refs, **load_refs, **whole_refs}
-    times: dict[str, list[float]] = {name: [] for name in [*refs, "store", "load"]}
+    hashed = {  # the diagnosis, not the limit (module docstring)
+        "store": {f"copy_hash_blocks_{t}t": (copies.hashed_in, t) for t in range(1, threads + 1)},
+        "load": {
+            f"copy_hash_blocks_out_{t}t": (copies.hashed_out, t) for t in range(1, threads + 1)
+        },
+    }
+    refs = {**store_refs, **load_refs, **whole_refs, **hashed["store"], **hashed["load"]}
+    times: dict[str, list[float]] = {
+        name: [] for name in [*refs, "store", "load", "store_numpy_buffers", "load_numpy_buffers"]
+    }
 
     warm = [True]
 
@@ -213,6 +265,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 identical = identical and bool(
                     np.array_equal(out.view(np.uint16), kv.view(np.uint16))
                 )
+                toks = np.full(n_tok, next(counter), dtype=np.int64)
+                if timed("store_numpy_buffers", st.store, toks, kv_numpy) != n_tok:
+                    raise RuntimeError("bench: the tier's store did not cover every block")
+                out_numpy.fill(0)
+                if timed("load_numpy_buffers", st.load, toks, out_numpy) != n_tok:
+                    raise RuntimeError("bench: the tier's load did not cover every block")
+                identical = identical and bool(
+                    np.array_equal(out_numpy.view(np.uint16), kv_numpy.view(np.uint16))
+                )
     finally:
         copies.pool.shutdown()
     gbps = {name: nbytes / min(ts) / 1e9 for name, ts in times.items()}
@@ -225,6 +286,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": args.rounds,
         "store_gbps": gbps["store"],
         "load_gbps": gbps["load"],
+        "store_numpy_buffers_gbps": gbps["store_numpy_buffers"],
+        "load_numpy_buffers_gbps": gbps["load_numpy_buffers"],
         **{f"{name}_gbps": gbps[name] for name in refs},
         "identical": identical,
     }
@@ -236,5 +299,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result[f"{side}_vs_best_rounds"] = [  # within each round: tier against that round's best
             min(times[k][r] for k in names) / times[side][r] for r in range(args.rounds)
         ]
+        fused = max(hashed[side], key=lambda k: gbps[k])
+        result[f"{side}_copy_hash_baseline"] = fused
+        result[f"{side}_vs_copy_hash"] = gbps[side] / gbps[fused]
     result.update(_lookup_times(args.rounds))
     return result

@@ -18,6 +18,7 @@ process that maps the arena) is a miss and the slot is dropped.
 from __future__ import annotations
 
 import logging
+import mmap
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -58,8 +59,10 @@ class _Pin:
                 raise ConfigError("host tier pin_memory='always' needs torch with CUDA")
             return
         cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-        ptr = int(arena.ctypes.data)
-        err = cudart.cudaHostRegister(ptr, int(arena.nbytes), 0)
+        page = mmap.PAGESIZE  # whole pages of the mapping (the arena starts past a boundary)
+        ptr = int(arena.ctypes.data) // page * page
+        size = -(-(int(arena.ctypes.data) + int(arena.nbytes) - ptr) // page) * page
+        err = cudart.cudaHostRegister(ptr, size, 0)
         if int(getattr(err, "value", err)) != 0:
             if pin_memory == "always":
                 raise ConfigError(f"host tier pin_memory='always': cudaHostRegister failed ({err})")

@@ -17,6 +17,14 @@ shared-memory file that cannot hold its size is a ``ConfigError`` now, not a ``S
 first store into a page the filesystem has no room for; and the creator's mapping (and an
 ``attach`` with ``populate``) fills its page tables up front (``MAP_POPULATE``), so the hot
 path never takes a page fault.
+
+``array`` starts ``DATA_OFFSET`` (64) bytes into the mapping, not on its page boundary. glibc's
+``memcpy`` of a block is fastest when source and destination sit at the same offset modulo 64
+(no load straddles a cache line) and slowest when the destination is a few bytes past the
+source modulo 4096 (its loads then alias its recent stores), which is where a page-aligned
+arena sits against a numpy array (16 bytes past a page: glibc's ``malloc`` header). 64 bytes
+past matches a torch tensor (the engine integrations' buffers) and aliases neither; the
+measurements are in ``docs/benchmarks.md`` (host tier).
 """
 
 from __future__ import annotations
@@ -36,6 +44,11 @@ from kvtier.tiers.base import Array
 def shm_dir() -> str:
     """Where named shared memory lives: ``/dev/shm`` (every Linux), else the temp directory."""
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+#: where ``array`` starts in the mapping: 64 bytes past a page boundary, as torch's CPU tensors
+#: do (module docstring)
+DATA_OFFSET = 64
 
 
 def _anonymous_fd() -> int:
@@ -86,7 +99,7 @@ class SharedMemory:
         self._map: mmap.mmap | None = mapping
         self.nbytes = nbytes
         self.path = path  # None: anonymous
-        self.array: Array = np.frombuffer(mapping, dtype=np.uint8, count=nbytes)
+        self.array: Array = np.frombuffer(mapping, dtype=np.uint8, count=nbytes, offset=DATA_OFFSET)
 
     @classmethod
     def create(
@@ -116,10 +129,10 @@ class SharedMemory:
                 os.fchown(fd, -1, gid)
                 os.fchmod(fd, 0o660)
             if prefault:
-                _allocate(fd, nbytes, path or os.path.join(shm_dir(), "memfd"))
+                _allocate(fd, nbytes + DATA_OFFSET, path or os.path.join(shm_dir(), "memfd"))
             else:
-                os.ftruncate(fd, nbytes)
-            mapping = _map(fd, nbytes, prefault)
+                os.ftruncate(fd, nbytes + DATA_OFFSET)
+            mapping = _map(fd, nbytes + DATA_OFFSET, prefault)
         except BaseException:
             if path is not None:
                 with contextlib.suppress(FileNotFoundError):
@@ -137,9 +150,9 @@ class SharedMemory:
         touch)."""
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         try:
-            if os.fstat(fd).st_size != nbytes:
-                raise OSError(f"shared memory {path} is not {nbytes} bytes")
-            mapping = _map(fd, nbytes, populate)
+            if os.fstat(fd).st_size != nbytes + DATA_OFFSET:
+                raise OSError(f"shared memory {path} does not hold {nbytes} bytes")
+            mapping = _map(fd, nbytes + DATA_OFFSET, populate)
         finally:
             os.close(fd)
         return cls(mapping, nbytes, path)
