@@ -18,13 +18,13 @@ first store into a page the filesystem has no room for; and the creator's mappin
 ``attach`` with ``populate``) fills its page tables up front (``MAP_POPULATE``), so the hot
 path never takes a page fault.
 
-``array`` starts ``DATA_OFFSET`` (64) bytes into the mapping, not on its page boundary. glibc's
-``memcpy`` of a block is fastest when source and destination sit at the same offset modulo 64
-(no load straddles a cache line) and slowest when the destination is a few bytes past the
-source modulo 4096 (its loads then alias its recent stores), which is where a page-aligned
-arena sits against a numpy array (16 bytes past a page: glibc's ``malloc`` header). 64 bytes
-past matches a torch tensor (the engine integrations' buffers) and aliases neither; the
-measurements are in ``docs/benchmarks.md`` (host tier).
+``array`` starts ``DATA_OFFSET`` (64) bytes into the mapping, not on its page boundary. Measured
+on the host tier's own copies (a block's planes between an engine's ``[layers, 2, tokens, ...]``
+array and a slot), glibc's ``memcpy`` is fastest when source and destination sit at the same
+offset modulo 64 and slowest when the destination is 16 bytes past the source modulo 4096: a
+page-aligned arena against a numpy array (16 bytes past a page: glibc's ``malloc`` header),
+in the load direction. 64 bytes past is where torch puts a tensor (the engine integrations'
+buffers) and is not slow against either; the numbers are in ``docs/benchmarks.md`` (host tier).
 """
 
 from __future__ import annotations
