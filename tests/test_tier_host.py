@@ -25,8 +25,8 @@ class TestHostTier(TierConformance):
 
 def test_the_arena_starts_where_engine_buffers_do(tmp_path: Path) -> None:
     """Slots sit 64 bytes past a page boundary, anonymous or named, in the creator and in a
-    process that attaches (``kvtier.tiers.shm``): the offset torch gives large tensors, so a
-    block's copies pair source and destination alike."""
+    process that attaches (``kvtier.tiers.shm``): cache-line aligned as torch's tensors are,
+    and not where a page-aligned slot would alias a numpy array's copies."""
     import mmap
 
     import numpy as np
@@ -37,7 +37,8 @@ def test_the_arena_starts_where_engine_buffers_do(tmp_path: Path) -> None:
     lay = KVLayout(layers=2, kv_heads=2, head_dim=64, block_tokens=16, dtype="float16")
     assert lay.block_bytes % mmap.PAGESIZE == 0  # every slot at the same offset in its page
     tensor = torch.empty(1 << 22, dtype=torch.uint8)
-    assert tensor.data_ptr() % mmap.PAGESIZE == DATA_OFFSET  # what the offset is chosen to match
+    assert tensor.data_ptr() % 64 == 0 == DATA_OFFSET % 64  # torch aligns tensors to 64 bytes
+    assert DATA_OFFSET % mmap.PAGESIZE != 0  # off the page boundary (module docstring)
     named = HostTier(lay, 4 * lay.block_bytes, shm_path=f"{shm_dir()}/kvtier-test-{tmp_path.name}")
     try:
         for tier in (HostTier(lay, 4 * lay.block_bytes), named):

@@ -23,8 +23,9 @@ on the host tier's own copies (a block's planes between an engine's ``[layers, 2
 array and a slot), glibc's ``memcpy`` is fastest when source and destination sit at the same
 offset modulo 64 and slowest when the destination is 16 bytes past the source modulo 4096: a
 page-aligned arena against a numpy array (16 bytes past a page: glibc's ``malloc`` header),
-in the load direction. 64 bytes past is where torch puts a tensor (the engine integrations'
-buffers) and is not slow against either; the numbers are in ``docs/benchmarks.md`` (host tier).
+in the load direction. 64 bytes past is cache-line aligned as torch's tensors are (the engine
+integrations' buffers; a large one starts 64 bytes past a page) and is not slow against either;
+the numbers are in ``docs/benchmarks.md`` (host tier).
 """
 
 from __future__ import annotations
@@ -46,8 +47,7 @@ def shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-#: where ``array`` starts in the mapping: 64 bytes past a page boundary, as torch's CPU tensors
-#: do (module docstring)
+#: where ``array`` starts in the mapping: 64 bytes past a page boundary (module docstring)
 DATA_OFFSET = 64
 
 
