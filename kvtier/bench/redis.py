@@ -9,10 +9,11 @@ Steps per round (``kvtier.bench.remote`` interleaves them), each moving ``--bloc
   a default redis-py client copies ``bytes`` in its hiredis packer), in pipelines of ``P``
   commands on ``C`` connections at once (``P`` in ``--blocks`` and 8, ``C`` in 1 and 2); the
   reply stays in redis-py's ``bytes`` (the raw side does *less* work). The fastest is the limit;
-- ``store`` / ``load``: the tier's ``put``/``get_into`` of the whole batch in one pipeline
-  (sealing with the MAC by default, header + checksum + MAC verification, copy into the
-  caller's buffer); with ``--auth-pair`` also ``store_noauth`` / ``load_noauth``, the same
-  through a tier whose blocks are plain (a trusted pool): the MAC's cost in the same rounds;
+- ``store`` / ``load``: the tier's ``put``/``get_into`` of the whole batch in one call, with the
+  tier's default pipelines (``batch_bytes``) on one connection (sealing with the MAC by default,
+  header + checksum + MAC verification, copy into the caller's buffer); with ``--auth-pair`` also
+  ``store_noauth`` / ``load_noauth``, the same through a tier whose blocks are plain (a trusted
+  pool): the MAC's cost in the same rounds;
 - ``write_through`` / ``read_path`` (unless ``--no-whole-path``): ``TieredStore.store()`` until a
   second process sees every block, and that process's ``load()`` (``kvtier.bench.peer``).
 
@@ -106,9 +107,7 @@ def _run(
     prefix = "bench" + uuid.uuid4().hex[:8]
     variants = seal_variants(args)
     tiers = {
-        name: RedisTier(
-            lay, opts, prefix=f"{prefix}{name}", sealer=seal.sealer(lay), batch_bytes=1 << 40
-        )
+        name: RedisTier(lay, opts, prefix=f"{prefix}{name}", sealer=seal.sealer(lay))
         for name, seal in variants.items()
     }
     value_bytes = next(iter(tiers.values())).sealer.value_bytes

@@ -24,10 +24,14 @@ resharding, failover) refreshes the map once and resends those commands once; a 
 redirected (``ASK``: mid-migration) is that key's miss.
 
 **Batches.** ``get_into``/``put``/``delete`` use one non-transactional pipeline per
-``batch_bytes`` of values. Puts go out zero-copy: the sealed buffer is handed to the socket as a
-``memoryview`` (the pure-Python RESP packer; hiredis' packer would copy each value twice).
-Replies are parsed by hiredis; the payload is copied (and checksummed) once, from the reply into
-the caller's buffer.
+``batch_bytes`` of values (16 MiB; at least one value). A pipeline's replies queue in the
+server's output buffer for that connection until the client has read them, so a large read
+pipeline costs the server that much memory per client and, measured on loopback, reads slower
+than small ones (``docs/benchmarks.md``, shared tiers); 16 MiB is still more than a round
+trip's worth of bytes at any network's rate, so the extra round trips cost little. Puts go out
+zero-copy: the sealed buffer is handed to the socket as a ``memoryview`` (the pure-Python RESP
+packer; hiredis' packer would copy each value twice). Replies are parsed by hiredis; the
+payload is copied (and checksummed) once, from the reply into the caller's buffer.
 
 **Failures.** Socket timeouts bound each call (``timeout``, ``connect_timeout``); redis-py retries
 are off. Two kinds of error, told apart by ``refused``:
@@ -52,7 +56,7 @@ Config (``[[tiers]] kind = "redis"``)::
     username = "kv" ; password = "..."   # override the URL's credentials
     tls = false ; tls_ca_file = "" ; tls_cert_file = "" ; tls_key_file = "" ; tls_verify = true
     prefix = "kvtier" ; hash_tag = "tenant" | "block" ; ttl = 0 (seconds, 0 = no expiry)
-    timeout = 1.0 ; connect_timeout = 1.0 ; cooldown = 5.0 ; batch_bytes = "256MiB"
+    timeout = 1.0 ; connect_timeout = 1.0 ; cooldown = 5.0 ; batch_bytes = "16MiB"
     encryption_key = "<hex>" ; tenant_keys = {} ; quota = 0 ; tenant_quotas = {}
 
 The connection settings (``RedisOptions``: URL and cluster checks, TLS, timeouts) and the
@@ -137,7 +141,7 @@ class RedisTier(RemoteTier):
         hash_tag: HashTag = "tenant",
         ttl_s: int = 0,
         cooldown_s: float = 5.0,
-        batch_bytes: int = 256 << 20,
+        batch_bytes: int = 16 << 20,
         sealer: BlockSealer | None = None,
         quotas: TenantQuotas | None = None,
         secret: bytes = b"",
@@ -207,7 +211,7 @@ class RedisTier(RemoteTier):
             hash_tag=spec.get("hash_tag", "tenant"),
             ttl_s=parse_int(spec.get("ttl", 0), "tiers.redis ttl"),
             cooldown_s=parse_float(spec.get("cooldown", 5.0), "tiers.redis cooldown"),
-            batch_bytes=parse_size(spec.get("batch_bytes", "256MiB"), "tiers.redis batch_bytes"),
+            batch_bytes=parse_size(spec.get("batch_bytes", "16MiB"), "tiers.redis batch_bytes"),
             sealer=sealer,
             quotas=quotas,
         )
