@@ -152,37 +152,25 @@ class _Copies:
         slot = self.arena[i * bb : (i + 1) * bb].view(lay.storage_dtype).reshape(lay.block_shape)
         return slot, self.kv[:, :, i * bt : (i + 1) * bt], self.out[:, :, i * bt : (i + 1) * bt]
 
-    def blocks_in(self, threads: int) -> None:
-        def part(lo: int, hi: int) -> None:
-            for i in range(lo, hi):
-                slot, src, _ = self._block_views(i)
-                np.copyto(slot, src)
+    def block_copies(
+        self, copy: Callable[[Array, Array], object], into_arena: bool
+    ) -> Callable[[int], None]:
+        """Block by block between the caller's slices and the arena with ``copy(dst, src)``
+        (``np.copyto``, or the tier's fused ``codec.copy_in`` / ``copy_out``), over the
+        ``threads`` the returned callable is given."""
 
-        self._split(part, self.blocks, threads)
+        def run(threads: int) -> None:
+            def part(lo: int, hi: int) -> None:
+                for i in range(lo, hi):
+                    slot, src, dst = self._block_views(i)
+                    if into_arena:
+                        copy(slot, src)
+                    else:
+                        copy(dst, slot)
 
-    def blocks_out(self, threads: int) -> None:
-        def part(lo: int, hi: int) -> None:
-            for i in range(lo, hi):
-                slot, _, dst = self._block_views(i)
-                np.copyto(dst, slot)
+            self._split(part, self.blocks, threads)
 
-        self._split(part, self.blocks, threads)
-
-    def hashed_in(self, threads: int) -> None:
-        def part(lo: int, hi: int) -> None:
-            for i in range(lo, hi):
-                slot, src, _ = self._block_views(i)
-                copy_in(slot, src)
-
-        self._split(part, self.blocks, threads)
-
-    def hashed_out(self, threads: int) -> None:
-        def part(lo: int, hi: int) -> None:
-            for i in range(lo, hi):
-                slot, _, dst = self._block_views(i)
-                copy_out(dst, slot)
-
-        self._split(part, self.blocks, threads)
+        return run
 
     def whole(self, threads: int) -> None:
         src = self.kv.reshape(-1).view(np.uint8)
@@ -224,14 +212,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         a.fill(0)  # touch every page now: a first touch would land on whichever copy ran first
     threads = TransferEngine(args.workers).parallelism  # what the store's batches use
     copies = _Copies(lay, kv, arena, out, threads)
-    store_refs = {f"memcpy_blocks_{t}t": (copies.blocks_in, t) for t in range(1, threads + 1)}
-    load_refs = {f"memcpy_blocks_out_{t}t": (copies.blocks_out, t) for t in range(1, threads + 1)}
-    whole_refs = {f"memcpy_whole_{t}t": (copies.whole, t) for t in range(1, threads + 1)}
+    ts = range(1, threads + 1)
+    blocks_in, blocks_out = (
+        copies.block_copies(np.copyto, True),
+        copies.block_copies(np.copyto, False),
+    )
+    store_refs = {f"memcpy_blocks_{t}t": (blocks_in, t) for t in ts}
+    load_refs = {f"memcpy_blocks_out_{t}t": (blocks_out, t) for t in ts}
+    whole_refs = {f"memcpy_whole_{t}t": (copies.whole, t) for t in ts}
+    hashed_in, hashed_out = copies.block_copies(copy_in, True), copies.block_copies(copy_out, False)
     hashed = {  # the diagnosis, not the limit (module docstring)
-        "store": {f"copy_hash_blocks_{t}t": (copies.hashed_in, t) for t in range(1, threads + 1)},
-        "load": {
-            f"copy_hash_blocks_out_{t}t": (copies.hashed_out, t) for t in range(1, threads + 1)
-        },
+        "store": {f"copy_hash_blocks_{t}t": (hashed_in, t) for t in ts},
+        "load": {f"copy_hash_blocks_out_{t}t": (hashed_out, t) for t in ts},
     }
     refs = {**store_refs, **load_refs, **whole_refs, **hashed["store"], **hashed["load"]}
     times: dict[str, list[float]] = {
@@ -256,24 +248,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 warm[0] = r < 0
                 for name, (fn, t) in refs.items():
                     timed(name, fn, t)
-                toks = np.full(n_tok, next(counter), dtype=np.int64)
-                if timed("store", st.store, toks, kv) != n_tok:
-                    raise RuntimeError("bench: the tier's store did not cover every block")
-                out.fill(0)
-                if timed("load", st.load, toks, out) != n_tok:
-                    raise RuntimeError("bench: the tier's load did not cover every block")
-                identical = identical and bool(
-                    np.array_equal(out.view(np.uint16), kv.view(np.uint16))
-                )
-                toks = np.full(n_tok, next(counter), dtype=np.int64)
-                if timed("store_numpy_buffers", st.store, toks, kv_numpy) != n_tok:
-                    raise RuntimeError("bench: the tier's store did not cover every block")
-                out_numpy.fill(0)
-                if timed("load_numpy_buffers", st.load, toks, out_numpy) != n_tok:
-                    raise RuntimeError("bench: the tier's load did not cover every block")
-                identical = identical and bool(
-                    np.array_equal(out_numpy.view(np.uint16), kv_numpy.view(np.uint16))
-                )
+                for suffix, src, dst in (("", kv, out), ("_numpy_buffers", kv_numpy, out_numpy)):
+                    toks = np.full(n_tok, next(counter), dtype=np.int64)
+                    if timed(f"store{suffix}", st.store, toks, src) != n_tok:
+                        raise RuntimeError("bench: the tier's store did not cover every block")
+                    dst.fill(0)
+                    if timed(f"load{suffix}", st.load, toks, dst) != n_tok:
+                        raise RuntimeError("bench: the tier's load did not cover every block")
+                    identical = identical and bool(
+                        np.array_equal(dst.view(np.uint16), src.view(np.uint16))
+                    )
     finally:
         copies.pool.shutdown()
     gbps = {name: nbytes / min(ts) / 1e9 for name, ts in times.items()}
