@@ -23,7 +23,7 @@ class TestHostTier(TierConformance):
         return True
 
 
-def test_the_arena_starts_where_engine_buffers_do(tmp_path: Path) -> None:
+def test_the_arena_starts_off_the_page_boundary_in_every_mapping(tmp_path: Path) -> None:
     """Slots sit 64 bytes past a page boundary, anonymous or named, in the creator and in a
     process that attaches (``kvtier.tiers.shm``): cache-line aligned as torch's tensors are,
     and not where a page-aligned slot would alias a numpy array's copies."""
@@ -39,9 +39,10 @@ def test_the_arena_starts_where_engine_buffers_do(tmp_path: Path) -> None:
     tensor = torch.empty(1 << 22, dtype=torch.uint8)
     assert tensor.data_ptr() % 64 == 0 == DATA_OFFSET % 64  # torch aligns tensors to 64 bytes
     assert DATA_OFFSET % mmap.PAGESIZE != 0  # off the page boundary (module docstring)
+    anonymous = HostTier(lay, 4 * lay.block_bytes)
     named = HostTier(lay, 4 * lay.block_bytes, shm_path=f"{shm_dir()}/kvtier-test-{tmp_path.name}")
     try:
-        for tier in (HostTier(lay, 4 * lay.block_bytes), named):
+        for tier in (anonymous, named):
             assert all(
                 tier.slot_view(s).ctypes.data % mmap.PAGESIZE == DATA_OFFSET for s in range(4)
             )
@@ -52,4 +53,5 @@ def test_the_arena_starts_where_engine_buffers_do(tmp_path: Path) -> None:
         assert np.array_equal(other.array[-4:], [9, 8, 7, 6])
         other.close()
     finally:
+        anonymous.close()
         named.close()

@@ -96,6 +96,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 HashTag = Literal["tenant", "block"]
+#: values per pipeline, in bytes (module docstring, "Batches")
+BATCH_BYTES = 16 << 20
 #: what a server call can raise: redis-py's errors, socket errors, and the Cluster client's own
 #: exceptions, which are no RedisError ("Redis Cluster cannot be connected", SlotNotCoveredError)
 _ERRORS: tuple[type[BaseException], ...] = (redis.RedisError, RedisClusterException, OSError)
@@ -141,7 +143,7 @@ class RedisTier(RemoteTier):
         hash_tag: HashTag = "tenant",
         ttl_s: int = 0,
         cooldown_s: float = 5.0,
-        batch_bytes: int = 16 << 20,
+        batch_bytes: int = BATCH_BYTES,
         sealer: BlockSealer | None = None,
         quotas: TenantQuotas | None = None,
         secret: bytes = b"",
@@ -211,7 +213,7 @@ class RedisTier(RemoteTier):
             hash_tag=spec.get("hash_tag", "tenant"),
             ttl_s=parse_int(spec.get("ttl", 0), "tiers.redis ttl"),
             cooldown_s=parse_float(spec.get("cooldown", 5.0), "tiers.redis cooldown"),
-            batch_bytes=parse_size(spec.get("batch_bytes", "16MiB"), "tiers.redis batch_bytes"),
+            batch_bytes=parse_size(spec.get("batch_bytes", BATCH_BYTES), "tiers.redis batch_bytes"),
             sealer=sealer,
             quotas=quotas,
         )
