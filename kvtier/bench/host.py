@@ -1,11 +1,12 @@
 """``kvtier bench host``: store/load through the host DRAM tier against the best copy of the same
 bytes the machine does with the same threads.
 
-Layout Llama-3.1-8B (fp16, 256-token blocks = 32 MiB), ``--gib`` per round. The tier's store and
-load run on the transfer engine's workers plus the caller (``TransferEngine.parallelism``
-threads) and include the xxh3 checksum of every byte. The limit is the fastest of these copies
-of the same bytes, each with 1 .. that many threads (``np.copyto``, i.e. glibc memcpy, on a
-thread pool plus the caller, the work split into contiguous runs as the engine splits it):
+Layout Llama-3.1-8B (fp16, ``--block-tokens`` 256: 32 MiB blocks), ``--gib`` per round. The
+tier's store and load run on the transfer engine's workers plus the caller
+(``TransferEngine.parallelism`` threads) and include the xxh3 checksum of every byte. The limit
+is the fastest of these copies of the same bytes, each with 1 .. that many threads
+(``np.copyto``, i.e. glibc memcpy, on a thread pool plus the caller, the work split into
+contiguous runs as the engine splits it):
 
 - ``memcpy_blocks_{t}t``: block by block between the caller's strided ``[layers, 2, tokens, ...]``
   slices and a contiguous arena, the same copies the tier makes (store direction for the store,
@@ -68,6 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workers", type=int, default=2, help="transfer engine workers")
     p.add_argument("--model", default="Llama-3.1-8B", help="layout preset")
+    p.add_argument("--block-tokens", type=int, default=256, help="tokens per block (default 256)")
     p.add_argument(
         "--url",
         default=None,
@@ -195,7 +197,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from kvtier.bench.service import run as run_service
 
         return run_service(args)
-    lay = preset(args.model).layout("float16", 256)
+    lay = preset(args.model).layout("float16", args.block_tokens)
     blocks = max(1, int(args.gib * 2**30) // lay.block_bytes)
     n_tok = blocks * lay.block_tokens
     nbytes = blocks * lay.block_bytes
@@ -262,7 +264,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         copies.pool.shutdown()
     gbps = {name: nbytes / min(ts) / 1e9 for name, ts in times.items()}
     result: dict[str, Any] = {
-        "layout": f"{args.model} fp16, 256-token blocks",
+        "layout": f"{args.model} fp16, {lay.block_tokens}-token blocks",
         "block_bytes": lay.block_bytes,
         "bytes": nbytes,
         "workers": args.workers,
