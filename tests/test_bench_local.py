@@ -1,4 +1,4 @@
-"""Smoke tests of ``kvtier bench host`` and ``kvtier bench disk`` at tiny sizes.
+"""Smoke tests of ``kvtier bench host``, ``seal`` and ``disk`` at tiny sizes.
 
 Timing is not asserted: each bench must name its baselines and their settings, report a ratio
 against the best of them, and move the bytes back unchanged.
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.bench import disk, host
+from kvtier.bench import disk, host, seal
 
 SMALL = "Qwen2.5-7B"  # the smallest preset block (14 MiB at fp16, 256 tokens)
 
@@ -42,6 +42,16 @@ def test_bench_host_reports_every_copy_and_the_ratio_to_the_best() -> None:
             out[f"{side}_gbps"] / out[f"{fused}_gbps"]
         )
     assert out["lookup_miss_us"] > 0
+
+
+def test_bench_seal_times_every_mode_against_memcpy() -> None:
+    out = _run(seal, "--model", SMALL, "--block-tokens", "16", "--blocks", "2", "--rounds", "1")
+    for mode in seal.MODES:
+        for step in (f"seal_{mode}", f"open_{mode}", f"open_{mode}_strided"):
+            assert out[f"{step}_gbps"] > 0 and out[f"{step}_vs_memcpy"] > 0
+    assert out["open_mac_vs_memcpy"] == pytest.approx(
+        out["open_mac_gbps"] / out["memcpy_contiguous_gbps"]
+    )
 
 
 @pytest.mark.skipif(shutil.which("fio") is None, reason="fio not installed (scripts/test.sh)")

@@ -15,6 +15,7 @@ BENCHES: dict[str, str] = {
     "redis": "kvtier.bench.redis",
     "s3": "kvtier.bench.s3",
     "mooncake": "kvtier.bench.mooncake",
+    "seal": "kvtier.bench.seal",
     "service": "kvtier.bench.service",
     "vllm": "kvtier.bench.vllm",
     "vllm-service": "kvtier.bench.vllm_service",
