@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from kvtier import codec
+from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey
 from kvtier.layout import preset
 from kvtier.tiers.base import Array
@@ -56,6 +57,8 @@ def _sealer(lay: Any, mode: str) -> BlockSealer:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.blocks < 1:
+        raise ConfigError(f"--blocks must be >= 1, got {args.blocks}")
     lay = preset(args.model).layout("float16", args.block_tokens)
     n, bt, bb = args.blocks, lay.block_tokens, lay.block_bytes
     rng = np.random.default_rng(0)
