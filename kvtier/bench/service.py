@@ -15,9 +15,10 @@ or with ``auto`` a subprocess the bench starts) from this process, three ways:
 Rounds are interleaved, best of ``--rounds``; every store is of a new prompt. Then ``lookup`` of
 a cached 128K-token prompt and of a first-block miss (a 128K-token and a 4K-token prompt),
 in-process and through the service, beside an empty round trip (``ping``: the transport's floor,
-timed in the same rounds as the misses) and the service's own time per miss lookup (its per-session counters), so the miss splits into
-transport, service and client; and ``--clients`` client processes storing and loading numpy
-arrays at once (aggregate GB/s) against one.
+timed in the same rounds as the misses) and the service's own time per miss lookup (its
+per-session counters), so the miss splits into transport, service and client; and
+``--clients`` client processes storing and loading numpy arrays at once (aggregate GB/s)
+against one.
 
 With ``auto`` two services are started: one with the data layout (fp16, 8 layers x 4 KV heads x
 128, 256-token blocks = 4 MiB) and one with a small layout for the 128K-token lookups (keys cost
