@@ -116,6 +116,7 @@ def test_bench_dispatches_to_one_target(capsys: pytest.CaptureFixture[str]) -> N
     assert main(["bench", "sim", "--json", "--rounds", "1"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["requests"] == 3993 and 0 < d["token_hit_ratio"] < 1
+    assert d["heap_bytes_per_block"] > 0  # the index and the policy hold something per block
 
 
 # --- bad input: one line naming the problem, exit status 2, no traceback, nothing written ---

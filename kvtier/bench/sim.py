@@ -8,6 +8,9 @@ the store's bookkeeping costs. Target: the shared Mooncake trace (4k requests) e
 ``cpu_events_per_s`` divides by the best round's CPU time of this process instead of wall time:
 on a virtual machine whose host takes the CPU away (steal), wall time grows while the simulator
 does nothing, and the CPU figure shows what it does when it runs.
+``heap_bytes_per_block``: the Python heap one more (untimed) replay peaks at, over the capacity:
+what the store's index and the policy keep per cached block (keys, queues, an ``auto`` tier's
+two rankings and two shadows).
 ``--store`` also serves the trace through a real ``TieredStore`` of the same size
 (``kvtier.sim.storereplay``) and reports its token hit ratio beside the simulator's.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import time
+import tracemalloc
 from typing import Any
 
 from kvtier.policy import DEFAULT_POLICY
@@ -61,17 +65,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 seen[k] = seen.get(k, 0) + 1
         floor = min(floor, time.perf_counter() - t)
     events = trace.block_events
-    out: dict[str, Any] = {}
+    # the model's memory: one more replay, untimed, under tracemalloc (its peak, less the
+    # trace already loaded, over the capacity): the index and the policy's per-key state
+    tracemalloc.start()
+    replay(trace, spec, hints=args.hints)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    out: dict[str, Any] = {"heap_bytes_per_block": peak / max(args.capacity_blocks, 1)}
     if args.store:
         from kvtier.sim.storereplay import replay_store
 
         run = replay_store(trace, args.capacity_blocks, policy=args.policy, hints=args.hints)
-        out = {
-            "store_token_hit_ratio": run.token_hit_ratio,
-            "store_vs_sim": run.token_hit_ratio / res.token_hit_ratio - 1
-            if res.token_hit_ratio
-            else 0.0,
-        }
+        out["store_token_hit_ratio"] = run.token_hit_ratio
+        out["store_vs_sim"] = (
+            run.token_hit_ratio / res.token_hit_ratio - 1 if res.token_hit_ratio else 0.0
+        )
     return {
         "requests": len(trace),
         "block_events": events,

@@ -27,8 +27,9 @@ shadows on the first tier's victims (a filtered stream that favours the ranking 
 The index tells only tiers below the first of ``missed``, so the first ``missed`` call is what
 makes an ``Auto`` judge as a lower tier.
 
-Memory: the shadows hold keys only, a few hundred bytes per block of the tier's capacity (a block
-of KV is kilobytes to megabytes). Work: about three times S3-FIFO's per call. Prefix-aware as its
+Memory: two rankings and two key-only shadows, about twice S3-FIFO's per block of the tier's
+capacity (``heap_bytes_per_block`` in ``kvtier bench sim``; a block of KV is kilobytes to
+megabytes). Work: about three times S3-FIFO's per call. Prefix-aware as its
 parts (``kvtier.policy.base``). Reuse-class hints are ignored. What was tried against the
 misses left and not kept: ``docs/policy-experiments.md``.
 """
