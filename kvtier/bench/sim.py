@@ -65,8 +65,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 seen[k] = seen.get(k, 0) + 1
         floor = min(floor, time.perf_counter() - t)
     events = trace.block_events
-    # the model's memory: one more replay, untimed, under tracemalloc (its peak, less the
-    # trace already loaded, over the capacity): the index and the policy's per-key state
+    # the model's memory: one more replay, untimed, under tracemalloc (its peak over the
+    # capacity; the trace was loaded before, so it is not counted): the index and the
+    # policy's per-key state, plus the replay's few per-request temporaries
     tracemalloc.start()
     replay(trace, spec, hints=args.hints)
     peak = tracemalloc.get_traced_memory()[1]
