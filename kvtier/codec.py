@@ -157,7 +157,8 @@ def checksums(bufs: Sequence[Array]) -> list[int]:
 def _chunks(a: Array) -> Iterator[Array]:
     """``a`` as consecutive pieces in C order, each about ``_FLAT_CHUNK`` bytes or less and one
     ``np.copyto`` call: flat slices of a contiguous array; else runs of whole rows of its leading
-    axis (a block's layers in an engine's buffer), a row larger than a piece split the same way.
+    axis (a block's layers in an engine's buffer), a row larger than a piece split the same way
+    (a strided 1-D array is one piece).
     Few, large pieces keep the per-piece Python cost below the copy's (a 16-token block of an 8B
     model has 64 contiguous runs of 32 KiB); pieces that fit in cache keep the checksum pass,
     which follows each copy, reading from cache."""

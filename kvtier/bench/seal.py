@@ -80,6 +80,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def seal(mode: str) -> None:
         s = sealers[mode]
         sealed = [s.seal(k, b, "bench") for k, b in zip(keys, staged[mode], strict=True)]
+        if any(v is None for v in sealed):
+            raise RuntimeError(f"{mode}: the sealer refused a block (no key for the tenant?)")
         values[mode] = [v for v in sealed if v is not None]
 
     def opener(mode: str, dsts: list[Array]) -> Callable[[], None]:

@@ -29,9 +29,9 @@ makes an ``Auto`` judge as a lower tier.
 
 Memory: two rankings and two key-only shadows, about twice S3-FIFO's per block of the tier's
 capacity (``heap_bytes_per_block`` in ``kvtier bench sim``; a block of KV is kilobytes to
-megabytes). Work: about three times S3-FIFO's per call. Prefix-aware as its
-parts (``kvtier.policy.base``). Reuse-class hints are ignored. What was tried against the
-misses left and not kept: ``docs/policy-experiments.md``.
+megabytes). Work: about three times S3-FIFO's per call. Prefix-aware as its parts
+(``kvtier.policy.base``). Reuse-class hints are ignored. What was tried against the misses left
+and not kept: ``docs/policy-experiments.md``.
 """
 
 from __future__ import annotations
