@@ -3,9 +3,11 @@ and size, and how the default compares with the best of LRU and S3-FIFO and with
 
 Run: ``.venv/bin/python scripts/policy_basket.py [--trace T] [--policies auto,lru,s3fifo,belady]
 [--jobs 2] [--no-hints] [--seeds 0,1,2] [--requests 2000] [--host-share 0.25] [--lower P]
-[--hierarchy-only] [--blocks 300,500]`` (``--trace ""``: generators only; ``--blocks``: sizes
-in blocks instead of the basket's fractions; ``--lower P``: the tiers below the first
-run policy ``P`` whatever the row's policy, to compare per-tier choices).
+[--hierarchy-only] [--blocks 300,500] [--block-tokens N] [--trace-block-tokens N]``
+(``--trace ""``: generators only; ``--blocks``: sizes in blocks instead of the basket's
+fractions; ``--lower P``: the tiers below the first run policy ``P`` whatever the row's
+policy, to compare per-tier choices; the block options apply to ``--trace``, as in ``kvtier
+simulate``).
 Prints one line per point and a summary (docs/simulation.md).
 """
 
@@ -15,6 +17,7 @@ import argparse
 import json
 
 from kvtier.sim import basket
+from kvtier.sim.options import add_block_arguments, block_kwargs
 
 TRACE = "/work/shared/data/traces/mooncake_synthetic.jsonl"
 
@@ -49,10 +52,11 @@ def main() -> None:
         help="sizes in blocks instead of the basket's fractions, e.g. 300,500,800 (held-out sizes)",
     )
     ap.add_argument("--hierarchy-only", action="store_true", help="host + NVMe points only")
+    add_block_arguments(ap)
     args = ap.parse_args()
     pols = args.policies.split(",")
     seeds = [int(x) for x in args.seeds.split(",") if x]  # "": the trace only
-    srcs = basket.sources(args.trace or None, args.requests, seeds)
+    srcs = basket.sources(args.trace or None, args.requests, seeds, **block_kwargs(args))
     blocks = [int(x) for x in args.blocks.split(",") if x]
     pts = basket.points(srcs, pols, [args.hints], args.host_share, args.lower, blocks)
     if args.hierarchy_only:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.cli.main import main
+from kvtier.errors import ConfigError
 from kvtier.policy import DEFAULT_POLICY, POLICIES
 from kvtier.sim import basket
 from kvtier.sim.replay import TierSpec, replay
@@ -444,3 +445,92 @@ def test_cli_basket_flags_are_checked(
 ) -> None:
     assert main(["simulate", "--basket", *extra]) == 2
     assert needle in capsys.readouterr().err
+
+
+def refine(trace: Trace, k: int) -> list[str]:
+    """``trace`` (512-token ids) as a trace of ``512 // k``-token ids, in the Qwen-Bailian
+    style: extra fields, timestamps in seconds. Sub-id ``j`` of block ``b`` is ``b * k + j``:
+    chained, as ``b`` names everything before it."""
+    small = BT // k
+    lines = []
+    for i, r in enumerate(trace.requests):
+        n = len(r.blocks)
+        ids = []
+        for pos, b in enumerate(r.blocks):
+            cnt = k if pos < n - 1 else -(-(r.input_length - BT * (n - 1)) // small)
+            ids += [b * k + j for j in range(cnt)]
+        obj = {"chat_id": i, "parent_chat_id": -1, "timestamp": r.timestamp_ms / 1000.0}
+        obj |= {"input_length": r.input_length, "output_length": r.output_length, "type": "text"}
+        lines.append(json.dumps(obj | {"turn": 1, "hash_ids": ids}))
+    return lines
+
+
+def test_fine_grained_trace_is_inferred_and_regrouped_to_the_store_block(tmp_path: Path) -> None:
+    coarse = generate("mixed", 400, seed=3)
+    fine = tmp_path / "qwen_trace_blksz_16.jsonl"
+    fine.write_text("\n".join(refine(coarse, 32)) + "\n")
+    assert read_trace(fine).block_tokens == 16
+    back = read_trace(fine, block_tokens=512)
+    assert back.block_tokens == 512 and back.input_tokens == coarse.input_tokens
+    for pol in ("lru", "auto"):
+        for caps in ([150], [40, 160]):
+            tiers = [TierSpec(f"t{i}", c, pol) for i, c in enumerate(caps)]
+            want = replay(coarse, tiers, hints=False)
+            got = replay(back, tiers, hints=False)
+            assert got.token_hit_ratio == want.token_hit_ratio > 0.05
+            assert got.block_hits == want.block_hits
+    # the store's block between the trace's and 512: a different, valid replay
+    mid = read_trace(fine, block_tokens=128)
+    assert mid.block_tokens == 128 and all(
+        len(r.blocks) == -(-r.input_length // 128) for r in mid.requests
+    )
+
+
+def test_block_size_errors_say_what_to_pass(tmp_path: Path) -> None:
+    fine = tmp_path / "fine.jsonl"
+    lines = refine(generate("chat", 50, seed=1), 32)
+    fine.write_text("\n".join(lines) + "\n")
+    with pytest.raises(TraceError, match=r"fine\.jsonl:1: .*needs \d+ blocks? of 512"):
+        read_trace(fine, id_tokens=512)
+    with pytest.raises(ConfigError, match="use a multiple of 16"):
+        read_trace(fine, block_tokens=24)
+    bad = json.loads(lines[7])
+    bad["hash_ids"] = bad["hash_ids"][:-1]  # one line off by one id
+    lines[7] = json.dumps(bad)
+    fine.write_text("\n".join(lines) + "\n")
+    with pytest.raises(TraceError, match=r"fine\.jsonl:8: .* of 16 tokens.*--trace-block-tokens"):
+        read_trace(fine)
+    short = tmp_path / "short.jsonl"  # one-id prompts fit every size from 16 up
+    short.write_text("".join(f'{{"input_length": 10, "hash_ids": [{i}]}}\n' for i in range(3)))
+    assert read_trace(short).block_tokens == 512  # Mooncake's, when it fits as many as any
+    short.write_text(
+        '{"input_length": 40, "hash_ids": [1, 2, 3]}\n'  # 16 tokens per id only
+        '{"input_length": 64, "hash_ids": [4, 5]}\n'  # 32 only
+        '{"input_length": 10, "hash_ids": [6]}\n'  # 16, 32, ... 512, ...
+    )
+    with pytest.raises(TraceError, match=r"short\.jsonl: hash ids of .*fit its lines equally"):
+        read_trace(short)
+
+
+def test_cli_block_tokens_replays_the_regrouped_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    coarse = tmp_path / "coarse.jsonl"
+    write_trace(generate("rag", 300, seed=2), coarse)
+    fine = tmp_path / "fine.jsonl"
+    fine.write_text("\n".join(refine(read_trace(coarse), 4)) + "\n")
+    out = []
+    for path, extra in ((coarse, []), (fine, ["--block-tokens", "512"])):
+        args = ["simulate", "--trace", str(path), "--capacity-blocks", "200", "--json", *extra]
+        assert main(args) == 0
+        out.append(json.loads(capsys.readouterr().out))
+    assert out[0]["token_hit_ratio"] == out[1]["token_hit_ratio"] > 0.05
+    assert main(["simulate", "--trace", str(fine), "--capacity-blocks", "9", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["block_events"] > out[0]["block_events"]
+    assert (
+        main(
+            ["simulate", "--trace", str(coarse), "--capacity-blocks", "9", "--block-tokens", "100"]
+        )
+        == 2
+    )
+    assert "use a multiple of 512" in capsys.readouterr().err

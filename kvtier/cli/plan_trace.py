@@ -14,7 +14,13 @@ from kvtier.plan import make_plan
 from kvtier.policy import DEFAULT_POLICY
 from kvtier.sim.cost import GPU, ComputeModel, tier_cost
 from kvtier.sim.hierarchy import DEFAULT_MODEL, ROUTES, Hierarchy, SimTier
-from kvtier.sim.options import add_hints_argument, add_jobs_argument, jobs_from
+from kvtier.sim.options import (
+    add_block_arguments,
+    add_hints_argument,
+    add_jobs_argument,
+    block_kwargs,
+    jobs_from,
+)
 from kvtier.sim.replay import check_policy
 from kvtier.sim.report import lower_check_lines, render
 from kvtier.sim.sizing import DEFAULT_MARGIN, lower_policy_check, search, sized
@@ -26,6 +32,7 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     ``--dram``, ``--nvme``, ``--pool``, ``--weights-*`` and ``--json`` are plan's own)."""
     g = p.add_argument_group("trace-driven sizing (kvtier plan --trace FILE --slo-ttft-p90 S)")
     g.add_argument("--trace", help="Mooncake-format JSONL trace: find the cheapest tier sizes")
+    add_block_arguments(g)
     g.add_argument("--slo-ttft-p90", type=float, metavar="SECONDS", help="TTFT p90 target")
     g.add_argument("--gpus", type=int, default=8, help="GPUs prefilling, HBM source (default 8)")
     g.add_argument("--policy", default=DEFAULT_POLICY, help=f"eviction policy ({DEFAULT_POLICY})")
@@ -119,7 +126,7 @@ def run_trace_plan(args: argparse.Namespace) -> int:
             "--grid-points and --max-replays must be >= 1, --screen-margin a number >= 0"
         )
     jobs = jobs_from(args)
-    trace = read_trace(args.trace)
+    trace = read_trace(args.trace, **block_kwargs(args))
     hier, max_blocks, hbm_budget = search_space(args, trace)
     slo = float(args.slo_ttft_p90)
     found = search(

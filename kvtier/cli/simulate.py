@@ -19,7 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.sim.options import add_hints_argument, add_jobs_argument, jobs_from
+from kvtier.sim.options import (
+    add_block_arguments,
+    add_hints_argument,
+    add_jobs_argument,
+    block_kwargs,
+    jobs_from,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--requests", type=int, default=2000, help="synthetic: number of requests")
     p.add_argument("--seed", type=int, default=0, help="synthetic: random seed")
+    add_block_arguments(p)
     p.add_argument(
         "--save-trace",
         metavar="FILE",
@@ -128,12 +135,16 @@ def _save_trace(trace: Any, dest: Path) -> None:
 
 
 def _load_trace(args: argparse.Namespace) -> Any:
-    from kvtier.sim.trace import read_trace
+    from kvtier.sim.trace import read_trace, regroup
     from kvtier.sim.workload import generate
 
+    kw = block_kwargs(args)
     if args.trace:
-        return read_trace(args.trace)
-    return generate(args.synthetic, args.requests, args.seed)
+        return read_trace(args.trace, **kw)
+    if kw["id_tokens"] is not None:
+        raise ConfigError("--trace-block-tokens describes a --trace file; drop it for --synthetic")
+    trace = generate(args.synthetic, args.requests, args.seed)
+    return trace if kw["block_tokens"] is None else regroup(trace, kw["block_tokens"])
 
 
 class _LazyProgress:
@@ -323,8 +334,8 @@ def _run_basket(args: argparse.Namespace) -> int:
     if args.trace:
         from kvtier.sim.trace import read_trace
 
-        read_trace(args.trace)  # a bad trace is named before any replay starts
-    srcs = basket.sources(args.trace, args.requests)
+        read_trace(args.trace, **block_kwargs(args))  # a bad trace is named before any replay
+    srcs = basket.sources(args.trace, args.requests, **block_kwargs(args))
     pts = basket.points(srcs, pols, [args.hints])
     with _LazyProgress(len(pts), "basket") as progress:
         rows = basket.table(pts, basket.run(pts, jobs_from(args), progress))

@@ -41,12 +41,16 @@ HOST_SHARE = 0.25
 
 @dataclass(frozen=True, slots=True)
 class Source:
-    """A basket trace: a file, or a synthetic generator and seed."""
+    """A basket trace: a file (its hash ids of ``id_tokens``, grouped into blocks of
+    ``block_tokens``: ``read_trace``; ``None``: inferred, the trace's own), or a synthetic
+    generator and seed."""
 
     path: str = ""
     kind: str = ""
     seed: int = 0
     requests: int = 0
+    block_tokens: int | None = None
+    id_tokens: int | None = None
 
     @property
     def name(self) -> str:
@@ -54,7 +58,7 @@ class Source:
 
     def load(self) -> Trace:
         if self.path:
-            return read_trace(self.path)
+            return read_trace(self.path, self.block_tokens, self.id_tokens)
         return generate(self.kind, self.requests, self.seed)
 
 
@@ -71,11 +75,17 @@ class Point:
     lower: str = ""
 
 
-def sources(trace_path: str | None, requests: int, seeds: Sequence[int] = SEEDS) -> list[Source]:
-    """The basket's traces: ``trace_path`` (if any) first, then every generator x seed
-    (``seeds``: the basket's own, or others to check a policy on workloads it was not
-    chosen on)."""
-    out = [Source(path=trace_path)] if trace_path else []
+def sources(
+    trace_path: str | None,
+    requests: int,
+    seeds: Sequence[int] = SEEDS,
+    block_tokens: int | None = None,
+    id_tokens: int | None = None,
+) -> list[Source]:
+    """The basket's traces: ``trace_path`` (if any; ``block_tokens``, ``id_tokens``: see
+    ``Source``) first, then every generator x seed (``seeds``: the basket's own, or others to
+    check a policy on workloads it was not chosen on)."""
+    out = [Source(trace_path, block_tokens=block_tokens, id_tokens=id_tokens)] if trace_path else []
     return out + [Source(kind=k, seed=s, requests=requests) for k in KINDS for s in seeds]
 
 

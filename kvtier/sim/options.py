@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TypedDict
 
 from kvtier.errors import ConfigError
 
@@ -20,6 +21,46 @@ def add_hints_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
         help="give the policy each request's reuse class (output length, extends a cached "
         "prefix), as an engine storing at request end can; --no-hints: unlabelled (default on)",
     )
+
+
+def add_block_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--block-tokens`` (the blocks to replay: the store's block size) and
+    ``--trace-block-tokens`` (the tokens one hash id of the trace covers), for
+    ``kvtier.sim.trace.read_trace``."""
+    p.add_argument(
+        "--block-tokens",
+        type=int,
+        metavar="N",
+        help="replay blocks of N tokens, as a store with that block size caches them: a "
+        "multiple of the trace's (its hash ids are grouped); default: the trace's own",
+    )
+    p.add_argument(
+        "--trace-block-tokens",
+        type=int,
+        metavar="N",
+        help="tokens per hash id in the trace (Mooncake 512, Qwen-Bailian 16); default: "
+        "inferred from its lines",
+    )
+
+
+class BlockOptions(TypedDict):
+    """``read_trace``'s block arguments."""
+
+    block_tokens: int | None
+    id_tokens: int | None
+
+
+def block_kwargs(args: argparse.Namespace) -> BlockOptions:
+    """``read_trace``'s ``block_tokens``/``id_tokens`` from ``add_block_arguments``'s flags;
+    ``ConfigError`` for a value below 1."""
+    opts: BlockOptions = {"block_tokens": args.block_tokens, "id_tokens": args.trace_block_tokens}
+    for flag, v in (
+        ("--block-tokens", opts["block_tokens"]),
+        ("--trace-block-tokens", opts["id_tokens"]),
+    ):
+        if v is not None and v < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {v}")
+    return opts
 
 
 def add_jobs_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup, what: str) -> None:

@@ -1,17 +1,20 @@
-"""Request traces: the Mooncake JSONL format, read into plain int lists for the replay engine.
+"""Request traces: Mooncake-style JSONL, read into plain int lists for the replay engine.
 
 One request per line::
 
     {"timestamp": 40, "input_length": 23769, "output_length": 3, "hash_ids": [151, 152, ...]}
 
-``timestamp`` is in milliseconds, ``hash_ids`` are the ids of the request's 512-token prefix
-blocks (chained: an id names a block *and everything before it*), so a request of
-``input_length`` tokens has ``ceil(input_length / block_tokens)`` of them. Unknown extra fields are
-ignored. A line that is not such an object raises ``TraceError`` naming the file and line number.
+``hash_ids`` are the ids of the request's prefix blocks, chained: an id names a block *and
+everything before it*, so a request of ``input_length`` tokens has ``ceil(input_length /
+id_tokens)`` of them. Mooncake's traces use 512 tokens per id; the Qwen-Bailian traces
+(``qwen_trace*_blksz_16.jsonl``: extra fields ``chat_id``, ``turn``, ...; timestamps in seconds)
+use 16. ``read_trace`` infers ``id_tokens`` from the lines unless told, and can regroup the ids
+into the larger blocks a store caches (``regroup``). Unknown extra fields are ignored. A line
+that is not such an object raises ``TraceError`` naming the file and line number.
 
 The file is UTF-8 (a leading byte-order mark is accepted). Timestamps must be finite and
 non-negative; they may go backwards (real traces merged from several frontends have jitter), and
-requests are replayed in file order regardless.
+requests are replayed in file order regardless. No figure of the simulator reads them.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import math
 import os
 import uuid
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -32,6 +35,8 @@ from kvtier.errors import ConfigError
 
 #: Mooncake's block granularity (tokens per hash id)
 MOONCAKE_BLOCK_TOKENS = 512
+#: the granularities ``infer_id_tokens`` considers: powers of two, 1 to 64Ki tokens per id
+_ID_TOKEN_CANDIDATES = tuple(1 << i for i in range(17))
 
 
 #: the first two bytes of a gzip file
@@ -101,8 +106,12 @@ def _n(count: int, noun: str) -> str:
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
-def parse_request(line: str, where: str, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> Request:
-    """Parse one JSONL line; ``where`` (e.g. ``"trace.jsonl:12"``) prefixes any error."""
+def parse_request(
+    line: str, where: str, block_tokens: int | None = MOONCAKE_BLOCK_TOKENS
+) -> Request:
+    """Parse one JSONL line; ``where`` (e.g. ``"trace.jsonl:12"``) prefixes any error.
+    ``block_tokens``: tokens per hash id, checked against ``input_length`` (``None``: not
+    checked, for ``read_trace`` to infer it)."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -131,27 +140,95 @@ def parse_request(line: str, where: str, block_tokens: int = MOONCAKE_BLOCK_TOKE
             f"{where}: 'hash_ids' repeats an id; chained ids name distinct prefixes, so an id "
             "appears at most once per request"
         )
-    expected = -(-length // block_tokens)
-    if len(ids) != expected:
+    req = Request(ts_ms, length, out, tuple(ids))
+    if block_tokens is not None:
+        _check_ids(req, block_tokens, where)
+    return req
+
+
+def _fits(req: Request, id_tokens: int) -> bool:
+    """Whether ``req`` has one hash id per ``id_tokens`` tokens (the last may be partial)."""
+    return len(req.blocks) == -(-req.input_length // id_tokens)
+
+
+def _check_ids(req: Request, id_tokens: int, where: str, hint: str = "") -> None:
+    if not _fits(req, id_tokens):
+        expected = -(-req.input_length // id_tokens)
         raise TraceError(
-            f"{where}: input_length {length} needs {_n(expected, 'block')} of {block_tokens} "
-            f"tokens, but hash_ids has {len(ids)}"
+            f"{where}: input_length {req.input_length} needs {_n(expected, 'block')} of "
+            f"{id_tokens} tokens, but hash_ids has {len(req.blocks)}{hint}"
         )
-    return Request(ts_ms, length, out, tuple(ids))
+
+
+def infer_id_tokens(reqs: Sequence[Request], name: str = "<trace>") -> tuple[int, int]:
+    """The tokens per hash id of a trace, and how many of ``reqs`` it fits: the power of two
+    that fits the most (512, Mooncake's, when it fits as many as any). ``TraceError`` when two
+    sizes fit equally many (a trace of short prompts): say which."""
+    votes = [sum(1 for r in reqs if _fits(r, c)) for c in _ID_TOKEN_CANDIDATES]
+    best = max(votes)
+    tied = [c for c, v in zip(_ID_TOKEN_CANDIDATES, votes, strict=True) if v == best]
+    if MOONCAKE_BLOCK_TOKENS in tied:
+        return MOONCAKE_BLOCK_TOKENS, best
+    if len(tied) > 1:
+        raise TraceError(
+            f"{name}: hash ids of {', '.join(map(str, tied))} tokens fit its lines equally; "
+            "say how many tokens one id covers (--trace-block-tokens)"
+        )
+    return tied[0], best
+
+
+def regroup(trace: Trace, block_tokens: int) -> Trace:
+    """``trace`` as a store of ``block_tokens``-token blocks sees it: every ``block_tokens /
+    trace.block_tokens`` ids become one block, named by the last id of its group (a chained id
+    names its whole prefix, so that id names the larger block too); the last, partial group by
+    the request's last id. ``block_tokens`` must be a multiple of the trace's."""
+    n = trace.block_tokens
+    if block_tokens == n:
+        return trace
+    if block_tokens <= 0 or block_tokens % n:
+        raise ConfigError(
+            f"blocks of {block_tokens} tokens cannot be made from this trace's hash ids of {n} "
+            f"tokens: use a multiple of {n}"
+        )
+    k = block_tokens // n
+    reqs = tuple(
+        Request(
+            r.timestamp_ms,
+            r.input_length,
+            r.output_length,
+            r.blocks[k - 1 :: k] + ((r.blocks[-1],) if len(r.blocks) % k else ()),
+        )
+        for r in trace.requests
+    )
+    return Trace(reqs, block_tokens, trace.name)
 
 
 def iter_trace(
-    lines: Iterable[str], name: str = "<trace>", block_tokens: int = MOONCAKE_BLOCK_TOKENS
+    lines: Iterable[str], name: str = "<trace>", block_tokens: int | None = MOONCAKE_BLOCK_TOKENS
 ) -> Iterator[Request]:
     """Parse JSONL lines (blank lines skipped), numbering them from 1 in errors."""
+    for _, req in _numbered(lines, name, block_tokens):
+        yield req
+
+
+def _numbered(
+    lines: Iterable[str], name: str, block_tokens: int | None
+) -> Iterator[tuple[int, Request]]:
     for lineno, line in enumerate(lines, 1):
         if line.strip():
-            yield parse_request(line, f"{name}:{lineno}", block_tokens)
+            yield lineno, parse_request(line, f"{name}:{lineno}", block_tokens)
 
 
-def read_trace(path: str | Path, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> Trace:
-    """Read a Mooncake-format JSONL trace, gzip-compressed or not (told by its first bytes);
-    ``TraceError`` names the first bad line (or byte that is not UTF-8)."""
+def read_trace(
+    path: str | Path, block_tokens: int | None = None, id_tokens: int | None = None
+) -> Trace:
+    """Read a JSONL trace, gzip-compressed or not (told by its first bytes); ``TraceError``
+    names the first bad line (or byte that is not UTF-8).
+
+    ``id_tokens``: tokens per hash id in the file; ``None``: inferred (``infer_id_tokens``),
+    every line then checked against it. ``block_tokens``: the blocks to replay, a multiple of
+    ``id_tokens`` (``regroup``); ``None``: the trace's own.
+    """
     p = Path(path)
     try:
         data = p.read_bytes()
@@ -173,10 +250,22 @@ def read_trace(path: str | Path, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> T
             "trace?"
         ) from None
     # split on "\n" only: str.splitlines would also split inside strings at U+2028 and friends
-    reqs = tuple(iter_trace(text.split("\n"), p.name, block_tokens))
-    if not reqs:
+    rows = list(_numbered(text.split("\n"), p.name, id_tokens))
+    if not rows:
         raise TraceError(f"trace {str(p)!r} has no requests")
-    return Trace(reqs, block_tokens, p.name)
+    reqs = tuple(r for _, r in rows)
+    if id_tokens is None:
+        id_tokens, fit = infer_id_tokens(reqs, p.name)
+        if fit < len(reqs):
+            hint = (
+                f" (hash ids of {id_tokens} tokens fit {fit} of its {len(reqs)} lines, more "
+                "than any other size; if the trace uses another, say which with "
+                "--trace-block-tokens)"
+            )
+            for lineno, r in rows:
+                _check_ids(r, id_tokens, f"{p.name}:{lineno}", hint)
+    trace = Trace(reqs, id_tokens, p.name)
+    return trace if block_tokens is None else regroup(trace, block_tokens)
 
 
 def write_trace(trace: Trace, path: str | Path) -> None:
