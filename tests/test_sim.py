@@ -534,3 +534,5 @@ def test_cli_block_tokens_replays_the_regrouped_trace(
         == 2
     )
     assert "use a multiple of 512" in capsys.readouterr().err
+    assert main(["simulate", "--sweep", "--basket", "--block-tokens", "1024"]) == 2
+    assert "apply to the basket's --trace file" in capsys.readouterr().err

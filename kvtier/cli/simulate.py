@@ -328,14 +328,20 @@ def _run_basket(args: argparse.Namespace) -> int:
         )
     if args.requests < 1:
         raise ConfigError(f"--requests must be >= 1, got {args.requests}")
+    blocks = block_kwargs(args)
+    if not args.trace and (blocks["block_tokens"] or blocks["id_tokens"]):
+        raise ConfigError(
+            "--block-tokens and --trace-block-tokens apply to the basket's --trace file (its "
+            "generators keep their 512-token blocks); add --trace or drop them"
+        )
     pols = [args.policy] if args.policy else ["auto", "lru", "s3fifo"]
     for p in pols:
         check_policy(p, "--")
     if args.trace:
         from kvtier.sim.trace import read_trace
 
-        read_trace(args.trace, **block_kwargs(args))  # a bad trace is named before any replay
-    srcs = basket.sources(args.trace, args.requests, **block_kwargs(args))
+        read_trace(args.trace, **blocks)  # a bad trace is named before any replay starts
+    srcs = basket.sources(args.trace, args.requests, **blocks)
     pts = basket.points(srcs, pols, [args.hints])
     with _LazyProgress(len(pts), "basket") as progress:
         rows = basket.table(pts, basket.run(pts, jobs_from(args), progress))
