@@ -479,6 +479,10 @@ def test_fine_grained_trace_is_inferred_and_regrouped_to_the_store_block(tmp_pat
             got = replay(back, tiers, hints=False)
             assert got.token_hit_ratio == want.token_hit_ratio > 0.05
             assert got.block_hits == want.block_hits
+    (src,) = basket.sources(str(fine), 0, seeds=(), block_tokens=512)  # as the basket reads it
+    pts = basket.points([src], ["lru"], [False])
+    want_pts = [replace(p, source=basket.Source(kind="mixed", seed=3, requests=400)) for p in pts]
+    assert basket.run(pts) == basket.run(want_pts)
     # the store's block between the trace's and 512: a different, valid replay
     mid = read_trace(fine, block_tokens=128)
     assert mid.block_tokens == 128 and all(
