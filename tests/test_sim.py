@@ -529,6 +529,8 @@ def test_cli_block_tokens_replays_the_regrouped_trace(
         assert main(args) == 0
         out.append(json.loads(capsys.readouterr().out))
     assert out[0]["token_hit_ratio"] == out[1]["token_hit_ratio"] > 0.05
+    said = [(o["assumptions"]["block_tokens"], o["assumptions"]["trace_block_tokens"]) for o in out]
+    assert said == [(512, 512), (512, 128)]  # what was inferred is reported
     assert main(["simulate", "--trace", str(fine), "--capacity-blocks", "9", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["block_events"] > out[0]["block_events"]
     assert (

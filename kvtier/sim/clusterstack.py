@@ -55,7 +55,9 @@ def cluster_profile(trace: Trace, nodes: int, route: str) -> ClusterProfile:
         mine = np.flatnonzero(node_of == n)
         if not len(mine):
             continue
-        sub = Trace(tuple(trace.requests[i] for i in mine), trace.block_tokens, trace.name)
+        sub = Trace(
+            tuple(trace.requests[i] for i in mine), trace.block_tokens, trace.name, trace.id_tokens
+        )
         _, dist, _, _, _ = stack_positions(sub)
         # the references of node n's requests, in trace order (= the subtrace's order)
         refs = np.concatenate([np.arange(start[i], start[i + 1]) for i in mine])

@@ -105,6 +105,7 @@ def summarize(trace: Trace, hier: Hierarchy, res: ReplayResult) -> dict[str, Any
             "dtype": hier.layout.dtype,
             "kv_bytes_per_token": bpt,
             "block_tokens": hier.layout.block_tokens,
+            "trace_block_tokens": trace.trace_block_tokens,
             "block_bytes": bb,
             "params": hier.compute.params,
             "gpu": gpu.name,

@@ -64,6 +64,14 @@ class Trace:
     requests: tuple[Request, ...]
     block_tokens: int = MOONCAKE_BLOCK_TOKENS
     name: str = ""
+    #: tokens per hash id in the file it was read from, when ``regroup`` grouped them into
+    #: larger blocks (``None``: ``block_tokens``)
+    id_tokens: int | None = None
+
+    @property
+    def trace_block_tokens(self) -> int:
+        """Tokens per hash id of the source trace (``block_tokens`` unless regrouped)."""
+        return self.id_tokens or self.block_tokens
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -200,7 +208,7 @@ def regroup(trace: Trace, block_tokens: int) -> Trace:
         )
         for r in trace.requests
     )
-    return Trace(reqs, block_tokens, trace.name)
+    return Trace(reqs, block_tokens, trace.name, trace.trace_block_tokens)
 
 
 def iter_trace(
