@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+import numpy as np
+
 from kvtier.errors import ConfigError
 
 #: Mooncake's block granularity (tokens per hash id)
@@ -172,7 +174,9 @@ def infer_id_tokens(reqs: Sequence[Request], name: str = "<trace>") -> tuple[int
     """The tokens per hash id of a trace, and how many of ``reqs`` it fits: the power of two
     that fits the most (512, Mooncake's, when it fits as many as any). ``TraceError`` when two
     sizes fit equally many (a trace of short prompts): say which."""
-    votes = [sum(1 for r in reqs if _fits(r, c)) for c in _ID_TOKEN_CANDIDATES]
+    lengths = np.fromiter((r.input_length for r in reqs), np.int64, len(reqs))
+    ids = np.fromiter((len(r.blocks) for r in reqs), np.int64, len(reqs))
+    votes = [int(np.count_nonzero(ids == -(-lengths // c))) for c in _ID_TOKEN_CANDIDATES]
     best = max(votes)
     tied = [c for c, v in zip(_ID_TOKEN_CANDIDATES, votes, strict=True) if v == best]
     if MOONCAKE_BLOCK_TOKENS in tied:
