@@ -45,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--save-trace",
         metavar="FILE",
-        help="write the (synthetic) trace as JSONL (atomically; never onto the --trace file)",
+        help="write the trace as replayed (synthetic, or grouped by --block-tokens) as JSONL "
+        "(atomically; never onto the --trace file)",
     )
     p.add_argument("--config", metavar="TOML", help="hierarchy/model/GPU description")
     p.add_argument(
